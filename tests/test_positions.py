@@ -1,0 +1,135 @@
+"Positional encodings: the paper's formula, the relative-offset property, shapes and errors."
+import math
+
+import pytest
+import torch
+
+from transformer.heads import MultiHeadAttention
+from transformer.positions import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_encoding
+
+
+def test_formula_entries():
+    "PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...), checked entry by entry."
+    d = 16
+    pe = sinusoidal_encoding(50, d).double()
+    for pos in (0, 1, 7, 49):
+        for i in range(d // 2):
+            angle = pos / 10000 ** (2 * i / d)
+            assert pe[pos, 2 * i].item() == pytest.approx(math.sin(angle), abs=1e-6)
+            assert pe[pos, 2 * i + 1].item() == pytest.approx(math.cos(angle), abs=1e-6)
+
+
+def test_wavelengths_geometric_from_2pi_to_10000_2pi():
+    "Recover each pair's frequency from the table itself: wavelengths run 2π ... 10000^(1-2/d)·2π geometrically."
+    d = 64
+    pe = sinusoidal_encoding(2, d).double()
+    omega = torch.atan2(pe[1, 0::2], pe[1, 1::2])          # angle at pos=1 is the frequency
+    wavelength = 2 * math.pi / omega
+    assert wavelength[0].item() == pytest.approx(2 * math.pi, rel=1e-6)
+    assert wavelength[-1].item() == pytest.approx(2 * math.pi * 10000 ** (1 - 2 / d), rel=1e-5)
+    ratios = wavelength[1:] / wavelength[:-1]
+    assert torch.allclose(ratios, torch.full_like(ratios, 10000 ** (2 / d)), rtol=1e-5)
+
+
+def rotation(k: int, d: int) -> torch.Tensor:
+    "M_k: block-diagonal 2x2 rotations by k·ω_i, acting on (sin, cos) pairs."
+    omega = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    M = torch.zeros(d, d, dtype=torch.float64)
+    c, s = torch.cos(k * omega), torch.sin(k * omega)
+    M[0::2, 0::2] = torch.diag(c); M[0::2, 1::2] = torch.diag(s)
+    M[1::2, 0::2] = torch.diag(-s); M[1::2, 1::2] = torch.diag(c)
+    return M
+
+
+@pytest.mark.parametrize("k", [1, 3, 17, 100])
+def test_offset_is_a_fixed_linear_map(k):
+    torch.set_default_dtype(torch.float64)
+    try:
+        d, n = 32, 200
+        pe = sinusoidal_encoding(n + k, d)
+        M = rotation(k, d)
+        assert torch.allclose(pe[k:] , pe[:n] @ M.T, atol=1e-9)   # every pos, one matrix
+        assert not torch.allclose(pe[k:], pe[:n], atol=1e-3)       # and it is not the identity
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_dot_product_depends_only_on_offset():
+    pe = sinusoidal_encoding(64, 32).double()
+    gram = pe @ pe.T
+    for k in range(-10, 11):
+        diag = torch.diagonal(gram, offset=k)
+        assert torch.allclose(diag, diag[0].expand_as(diag), atol=1e-9)
+
+
+def test_attention_without_positions_is_permutation_equivariant():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4).double().eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    perm = torch.randperm(7)
+    out, _ = mha(x, x, x)
+    out_perm, _ = mha(x[:, perm], x[:, perm], x[:, perm])
+    assert torch.allclose(out_perm, out[:, perm], atol=1e-12)
+    pos = PositionalEncoding(32).double()           # with positions the symmetry is broken
+    y = pos(x); y_perm = pos(x[:, perm])
+    out, _ = mha(y, y, y)
+    out_perm, _ = mha(y_perm, y_perm, y_perm)
+    assert not torch.allclose(out_perm, out[:, perm], atol=1e-3)
+
+
+@pytest.mark.parametrize("cls", [PositionalEncoding, LearnedPositionalEmbedding])
+def test_adds_table_and_keeps_shape(cls):
+    torch.manual_seed(0)
+    module = cls(16, dropout=0.0, max_len=20).eval()
+    x = torch.zeros(3, 9, 16)
+    out = module(x)
+    assert out.shape == (3, 9, 16)
+    table = module.pe if cls is PositionalEncoding else module.embedding.weight
+    assert torch.equal(out[1], table[:9])
+    assert module(torch.zeros(1, 20, 16)).shape == (1, 20, 16)   # exactly max_len is fine
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    module = PositionalEncoding(16, dropout=0.5, max_len=10)
+    x = torch.randn(2, 10, 16)
+    assert (module(x) == 0).any()
+    module.eval()
+    assert torch.equal(module(x), x + module.pe[:10])
+
+
+def test_table_follows_dtype_and_is_not_saved():
+    module = PositionalEncoding(8, max_len=10).double()
+    assert module.pe.dtype == torch.float64
+    assert "pe" not in module.state_dict()
+    assert sum(p.numel() for p in module.parameters()) == 0
+    assert sum(p.numel() for p in LearnedPositionalEmbedding(8, max_len=10).parameters()) == 80
+
+
+def test_learned_rms_matches_sinusoids():
+    torch.manual_seed(0)
+    w = LearnedPositionalEmbedding(256, max_len=512).embedding.weight
+    pe = sinusoidal_encoding(512, 256)
+    assert w.pow(2).mean().sqrt().item() == pytest.approx(pe.pow(2).mean().sqrt().item(), rel=0.02)
+
+
+@pytest.mark.parametrize("make, x, match", [
+    (lambda: PositionalEncoding(16, max_len=8), torch.zeros(1, 9, 16), r"T=9 exceeds .*max_len=8"),
+    (lambda: LearnedPositionalEmbedding(16, max_len=8), torch.zeros(1, 9, 16), r"T=9 exceeds .*max_len=8"),
+    (lambda: PositionalEncoding(16), torch.zeros(1, 4, 12), r"d_model=16.*\(1, 4, 12\)"),
+    (lambda: PositionalEncoding(16), torch.zeros(4, 16), r"\(B, T, d_model=16\)"),
+    (lambda: LearnedPositionalEmbedding(16), torch.zeros(2, 3, 8), r"d_model=16"),
+])
+def test_bad_inputs(make, x, match):
+    with pytest.raises(ValueError, match=match):
+        make()(x)
+
+
+@pytest.mark.parametrize("args, match", [
+    ((10, 7), r"d_model=7 must be a positive even int"),
+    ((0, 8), r"max_len=0 must be a positive int"),
+    ((5, 0), r"d_model=0"),
+])
+def test_bad_table_sizes(args, match):
+    with pytest.raises(ValueError, match=match):
+        sinusoidal_encoding(*args)
