@@ -1,0 +1,177 @@
+"""Tests for transformer.attention: the teaching path `attention` and the fast path
+`scaled_dot_product_attention` (chapters 02 and 03)."""
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from transformer.attention import attention, scaled_dot_product_attention
+
+F64 = torch.float64
+
+
+def qkv(B=2, h=3, T_q=5, T_k=7, d_k=8, d_v=6, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, h, T_q, d_k, generator=g, dtype=dtype),
+            torch.randn(B, h, T_k, d_k, generator=g, dtype=dtype),
+            torch.randn(B, h, T_k, d_v, generator=g, dtype=dtype))
+
+
+def padding_mask(B=2, T_k=7, lengths=(7, 4)):
+    return (torch.arange(T_k)[None, :] < torch.tensor(lengths)[:, None])[:, None, None, :]  # (B, 1, 1, T_k)
+
+
+def causal(T):
+    return torch.ones(T, T, dtype=torch.bool).tril()[None, None]  # (1, 1, T, T)
+
+
+def test_attention_is_eq1_by_hand():
+    q, k, v = qkv()
+    out, w = attention(q, k, v)
+    expected_w = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.size(-1)), dim=-1)
+    torch.testing.assert_close(w, expected_w, rtol=0, atol=1e-14)
+    torch.testing.assert_close(out, w @ v, rtol=0, atol=1e-14)
+    torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)), rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal", "random"])
+def test_teaching_path_matches_torch_sdpa(mask_kind):
+    T = 6
+    q, k, v = qkv(T_q=T, T_k=T)
+    mask = {"none": None, "padding": padding_mask(T_k=T, lengths=(6, 3)), "causal": causal(T),
+            "random": torch.rand(2, 3, T, T, generator=torch.Generator().manual_seed(1)) > 0.3}[mask_kind]
+    if mask is not None:
+        mask = mask | torch.eye(T, dtype=torch.bool)  # every row keeps a key: torch's reference is defined there
+    out, _ = attention(q, k, v, mask)
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal", "padding+causal", "fully-masked-rows"])
+def test_fast_path_equals_teaching_path_float64(mask_kind):
+    T = 7
+    q, k, v = qkv(T_q=T, T_k=T)
+    pad = padding_mask(T_k=T, lengths=(7, 4))
+    mask = {"none": None, "padding": pad, "causal": causal(T), "padding+causal": pad & causal(T),
+            "fully-masked-rows": pad & causal(T) & (torch.arange(T) != 2)[:, None]}[mask_kind]
+    fast, none = scaled_dot_product_attention(q, k, v, mask)
+    slow, w = scaled_dot_product_attention(q, k, v, mask, need_weights=True)
+    assert none is None and w.shape == (2, 3, T, T)
+    torch.testing.assert_close(fast, slow, rtol=0, atol=1e-12)
+    teach, _ = attention(q, k, v, mask)
+    torch.testing.assert_close(slow, teach, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_masked_key_gets_exactly_zero_weight_and_no_influence(need_weights):
+    q, k, v = qkv()
+    mask = padding_mask(lengths=(7, 4))                  # sequence 1: keys 4, 5, 6 are padding
+    out, w = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+    if need_weights:
+        assert (w[1, ..., 4:] == 0).all() and (w[1, ..., :4] > 0).all() and (w[0] > 0).all()
+    k2, v2 = k.clone(), v.clone()                        # change what sits behind the mask ...
+    k2[1, :, 4:] += 100.0
+    v2[1, :, 4:] = 1e6
+    out2, _ = scaled_dot_product_attention(q, k2, v2, mask, need_weights=need_weights)
+    torch.testing.assert_close(out2, out, rtol=0, atol=1e-12)   # ... and nothing changes
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_fully_masked_row_gives_zero_not_nan(need_weights, dtype):
+    q, k, v = qkv(dtype=dtype)
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True)
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    mask[0, :, 3] = False                            # query 3 of sequence 0 may look at nothing
+    mask[1] = False                                  # sequence 1 is masked completely
+    out, w = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+    assert not out.isnan().any()
+    assert (out[0, :, 3] == 0).all() and (out[1] == 0).all()
+    assert (out[0, :, 2].abs() > 0).any()
+    if need_weights:
+        assert (w[0, :, 3] == 0).all() and (w[1] == 0).all()
+        torch.testing.assert_close(w[0, :, 2].sum(-1), torch.ones(3, dtype=dtype))
+    out.square().sum().backward()
+    for t in (q, k, v):
+        assert not t.grad.isnan().any()
+    assert (q.grad[1] == 0).all()
+
+
+def test_no_mask_and_all_true_mask_agree():
+    q, k, v = qkv()
+    for need in (False, True):
+        a, _ = scaled_dot_product_attention(q, k, v, None, need_weights=need)
+        b, _ = scaled_dot_product_attention(q, k, v, torch.ones(1, 1, 1, 7, dtype=torch.bool), need_weights=need)
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_batch_order_independence(need_weights):
+    q, k, v = qkv(B=4)
+    mask = padding_mask(B=4, lengths=(7, 3, 5, 1)) & causal(7)[..., :5, :]
+    perm = torch.tensor([2, 0, 3, 1])
+    out, _ = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+    out_p, _ = scaled_dot_product_attention(q[perm], k[perm], v[perm], mask[perm], need_weights=need_weights)
+    torch.testing.assert_close(out_p, out[perm], rtol=0, atol=1e-12)
+
+
+def test_key_permutation_invariance():
+    "Attention is a set operation over (key, value) pairs: reordering them together changes nothing."
+    q, k, v = qkv()
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(3))
+    out, _ = attention(q, k, v)
+    out_p, _ = attention(q, k[..., perm, :], v[..., perm, :])
+    torch.testing.assert_close(out_p, out, rtol=0, atol=1e-12)
+
+
+def test_dropout_is_applied_to_the_weights():
+    q, k, v = qkv()
+    torch.manual_seed(0)
+    out, w = scaled_dot_product_attention(q, k, v, dropout_p=0.5, need_weights=True)
+    zeros = (w == 0).double().mean().item()
+    assert 0.4 < zeros < 0.6
+    torch.testing.assert_close(out, w @ v)
+    a, _ = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
+    b, _ = scaled_dot_product_attention(q, k, v)
+    assert not torch.allclose(a, b)
+
+
+def test_cross_attention_lengths_and_broadcast_batch_dims():
+    q = torch.randn(2, 3, 4, 8, dtype=F64)
+    k = torch.randn(1, 3, 9, 8, dtype=F64)               # one memory shared by the batch
+    v = torch.randn(1, 3, 9, 5, dtype=F64)
+    out, w = attention(q, k, v)
+    assert out.shape == (2, 3, 4, 5) and w.shape == (2, 3, 4, 9)
+    fast, _ = scaled_dot_product_attention(q, k, v)
+    torch.testing.assert_close(fast, out, rtol=0, atol=1e-12)
+
+
+def _bad(name):
+    q, k, v = qkv()
+    cases = {
+        "d_k mismatch": ((q, k[..., :5], v, None), ValueError, r"query has d_k=8 but key has d_k=5"),
+        "key/value length": ((q, k, v[..., :6, :], None), ValueError, r"key has length T_k=7 but value has length 6"),
+        "1-D query": ((q[0, 0, 0], k, v, None), ValueError, r"query must have shape \(\.\.\., T, d\).*got \(8,\)"),
+        "batch dims": ((q, k[:1].expand(3, -1, -1, -1), v[:1].expand(3, -1, -1, -1), None), ValueError,
+                       r"leading \(batch\) dimensions"),
+        "mask not broadcastable": ((q, k, v, torch.ones(2, 1, 5, 6, dtype=torch.bool)), ValueError,
+                                   r"mask of shape \(2, 1, 5, 6\) is not broadcastable to the scores' shape \(2, 3, 5, 7\)"),
+        "mask too big": ((q, k, v, torch.ones(4, 3, 5, 7, dtype=torch.bool)), ValueError,
+                         r"mask of shape \(4, 3, 5, 7\) is not broadcastable"),
+        "1-D mask": ((q, k, v, torch.ones(7, dtype=torch.bool)), ValueError, r"mask of shape \(7,\) needs at least 2 dimensions"),
+        "float mask": ((q, k, v, torch.zeros(2, 1, 1, 7)), TypeError, r"mask must be a bool tensor.*torch.float32"),
+    }
+    return cases[name]
+
+
+@pytest.mark.parametrize("name", ["d_k mismatch", "key/value length", "1-D query", "batch dims",
+                                  "mask not broadcastable", "mask too big", "1-D mask", "float mask"])
+@pytest.mark.parametrize("fn", ["attention", "fast", "fast+weights"])
+def test_bad_inputs_raise_clear_errors(name, fn):
+    args, exc, match = _bad(name)
+    call = {"attention": lambda: attention(*args),
+            "fast": lambda: scaled_dot_product_attention(*args),
+            "fast+weights": lambda: scaled_dot_product_attention(*args, need_weights=True)}[fn]
+    with pytest.raises(exc, match=match):
+        call()

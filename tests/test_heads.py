@@ -1,0 +1,232 @@
+"""Tests for transformer.heads.MultiHeadAttention (chapter 04): oracle = torch.nn.MultiheadAttention."""
+import pytest
+import torch
+from torch import nn
+
+from transformer.heads import MultiHeadAttention
+
+F64 = torch.float64
+
+
+def pair(d_model=16, h=4, bias=True, seed=0):
+    "Our module and torch's, with the same weights, in float64."
+    torch.manual_seed(seed)
+    ours = MultiHeadAttention(d_model, h, bias=bias).double().eval()
+    ref = nn.MultiheadAttention(d_model, h, bias=bias, batch_first=True).double().eval()
+    with torch.no_grad():
+        ref.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+        ref.out_proj.weight.copy_(ours.w_o.weight)
+        if bias:
+            ref.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
+            ref.out_proj.bias.copy_(ours.w_o.bias)
+    return ours, ref
+
+
+def x(B, T, d=16, seed=1):
+    return torch.randn(B, T, d, dtype=F64, generator=torch.Generator().manual_seed(seed))
+
+
+def check(a, b):
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_self_attention_matches_torch(bias):
+    ours, ref = pair(bias=bias)
+    s = x(3, 6)
+    out, w = ours(s, s, s, need_weights=True)
+    ref_out, ref_w = ref(s, s, s, need_weights=True, average_attn_weights=True)
+    check(out, ref_out)
+    check(w.mean(dim=1), ref_w)
+    _, ref_w_heads = ref(s, s, s, need_weights=True, average_attn_weights=False)
+    check(w, ref_w_heads)
+    fast, none = ours(s, s, s)
+    assert none is None
+    check(fast, ref_out)
+
+
+def test_cross_attention_matches_torch():
+    ours, ref = pair()
+    y, memory = x(3, 4), x(3, 9, seed=2)
+    out, w = ours(y, memory, memory, need_weights=True)
+    ref_out, ref_w = ref(y, memory, memory, need_weights=True)
+    assert out.shape == (3, 4, 16) and w.shape == (3, 4, 4, 9)
+    check(out, ref_out)
+    check(w.mean(1), ref_w)
+    check(ours(y, memory, memory)[0], ref_out)
+
+
+def test_key_padding_mask_matches_torch():
+    ours, ref = pair()
+    y, memory = x(3, 4), x(3, 9, seed=2)
+    lengths = torch.tensor([9, 5, 2])
+    pad = torch.arange(9)[None] >= lengths[:, None]              # torch: True = ignore
+    mask = ~pad[:, None, None, :]                                 # ours: (B, 1, 1, T_k), True = may attend
+    ref_out, ref_w = ref(y, memory, memory, key_padding_mask=pad, need_weights=True)
+    for need in (False, True):
+        out, w = ours(y, memory, memory, mask, need_weights=need)
+        check(out, ref_out)
+    check(w.mean(1), ref_w)
+
+
+def test_causal_mask_matches_torch():
+    ours, ref = pair()
+    s = x(2, 7)
+    future = torch.ones(7, 7, dtype=torch.bool).triu(1)          # torch: True = not allowed
+    ref_out, ref_w = ref(s, s, s, attn_mask=future, need_weights=True)
+    for need in (False, True):
+        out, w = ours(s, s, s, ~future, need_weights=need)
+        check(out, ref_out)
+    check(w.mean(1), ref_w)
+    assert (w.triu(1) == 0).all()
+
+
+def test_causal_and_padding_mask_match_torch():
+    ours, ref = pair()
+    s = x(2, 7)
+    future = torch.ones(7, 7, dtype=torch.bool).triu(1)
+    pad = torch.arange(7)[None] >= torch.tensor([7, 5])[:, None]
+    ref_out, _ = ref(s, s, s, attn_mask=future, key_padding_mask=pad)
+    out, _ = ours(s, s, s, ~future[None, None] & ~pad[:, None, None, :])
+    check(out, ref_out)
+
+
+def test_changing_a_future_token_leaves_earlier_outputs_unchanged():
+    ours, _ = pair()
+    s = x(1, 6)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    s2 = s.clone()
+    s2[0, 4] += 3.0
+    out, out2 = ours(s, s, s, mask)[0], ours(s2, s2, s2, mask)[0]
+    check(out2[:, :4], out[:, :4])
+    assert not torch.allclose(out2[:, 4], out[:, 4])
+
+
+def test_self_attention_is_permutation_equivariant():
+    ours, _ = pair()
+    s = x(2, 6)
+    perm = torch.tensor([3, 0, 5, 1, 4, 2])
+    out = ours(s, s, s)[0]
+    out_p = ours(s[:, perm], s[:, perm], s[:, perm])[0]
+    check(out_p, out[:, perm])
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_fully_masked_query_gives_w_o_bias_not_nan(need_weights):
+    ours, _ = pair()
+    s = x(2, 5)
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool)
+    mask[0, :, 2] = False
+    mask[1] = False
+    out, w = ours(s, s, s, mask, need_weights=need_weights)
+    assert not out.isnan().any()
+    # no key -> zero attention output -> what is left is the output projection's bias
+    check(out[0, 2], ours.w_o.bias)
+    check(out[1], ours.w_o.bias.expand(5, -1))
+    if need_weights:
+        assert (w[0, :, 2] == 0).all() and (w[1] == 0).all()
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_batch_order_independence(need_weights):
+    ours, _ = pair()
+    s = x(4, 6)
+    mask = (torch.arange(6)[None] < torch.tensor([6, 2, 4, 5])[:, None])[:, None, None, :]
+    perm = torch.tensor([1, 3, 0, 2])
+    out = ours(s, s, s, mask, need_weights=need_weights)[0]
+    out_p = ours(s[perm], s[perm], s[perm], mask[perm], need_weights=need_weights)[0]
+    check(out_p, out[perm])
+
+
+def test_store_weights_keeps_detached_per_head_weights():
+    ours, _ = pair()
+    s = x(2, 5).requires_grad_(True)
+    assert ours.store_weights is False and ours.last_weights is None
+    ours(s, s, s)
+    assert ours.last_weights is None                               # off by default: nothing is kept
+    ours.store_weights = True
+    out, w = ours(s, s, s)
+    assert w is None and ours.last_weights.shape == (2, 4, 5, 5)
+    assert not ours.last_weights.requires_grad
+    _, w = ours(s, s, s, need_weights=True)
+    check(ours.last_weights, w.detach())
+    ours.store_weights = False
+    check(ours(s, s, s)[0], out)
+
+
+def test_dropout_only_in_training():
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, dropout=0.5).double()
+    s = x(2, 6)
+    m.eval()
+    a, b = m(s, s, s)[0], m(s, s, s)[0]
+    check(a, b)
+    m.train()
+    c = m(s, s, s)[0]
+    assert not torch.allclose(a, c)
+
+
+def test_parameter_count_and_shapes():
+    m = MultiHeadAttention(512, 8)
+    assert m.d_k == 64
+    assert sum(p.numel() for p in m.parameters()) == 4 * (512 * 512 + 512)
+    for lin in (m.w_q, m.w_k, m.w_v, m.w_o):
+        assert isinstance(lin, nn.Linear) and lin.weight.shape == (512, 512)
+    assert sum(p.numel() for p in MultiHeadAttention(512, 1).parameters()) == 4 * (512 * 512 + 512)
+
+
+def test_gradients_flow_to_every_parameter():
+    m = MultiHeadAttention(16, 4).double()
+    s = x(2, 5)
+    m(s, s, s, torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())[0].sum().backward()
+    for name, p in m.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(d_model=10, h=3), r"d_model=10 is not divisible by h=3"),
+    (dict(d_model=16, h=0), r"must be positive integers.*h=0"),
+    (dict(d_model=0, h=1), r"must be positive integers.*d_model=0"),
+    (dict(d_model=16, h=4, dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
+])
+def test_bad_constructor_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        MultiHeadAttention(**kwargs)
+
+
+def _forward_cases():
+    B, d = 2, 16
+    q, kv = x(B, 5), x(B, 7, seed=2)
+    b = lambda *s: torch.ones(*s, dtype=torch.bool)
+    return {
+        "query last dim": ((x(B, 5, 12), kv, kv), ValueError, r"query must have shape \(B, T, d_model=16\), got \(2, 5, 12\)"),
+        "key last dim": ((q, x(B, 7, 8), kv), ValueError, r"key must have shape \(B, T, d_model=16\), got \(2, 7, 8\)"),
+        "value last dim": ((q, kv, x(B, 7, 32)), ValueError, r"value must have shape .*got \(2, 7, 32\)"),
+        "2-D query": ((q[0], kv, kv), ValueError, r"query must have shape \(B, T, d_model=16\), got \(5, 16\)"),
+        "key/value length": ((q, kv, x(B, 6)), ValueError, r"key has length T_k=7 but value has length 6"),
+        "batch mismatch": ((q, x(3, 7), x(3, 7)), ValueError, r"batch sizes differ: query 2, key 3, value 3"),
+        "mask not broadcastable": ((q, kv, kv, b(2, 1, 5, 6)), ValueError,
+                                   r"mask of shape \(2, 1, 5, 6\) is not broadcastable to \(B, h, T_q, T_k\) = \(2, 4, 5, 7\)"),
+        "mask wrong batch": ((q, kv, kv, b(3, 1, 1, 7)), ValueError, r"mask of shape \(3, 1, 1, 7\) is not broadcastable"),
+        "mask 5-D": ((q, kv, kv, b(1, 1, 1, 1, 7)), ValueError, r"mask of shape \(1, 1, 1, 1, 7\) is not broadcastable"),
+        "mask 1-D": ((q, kv, kv, b(7)), ValueError, r"mask of shape \(7,\) needs at least 2 dimensions"),
+        "mask 3-D ambiguous": ((q, kv, kv, b(2, 5, 7)), ValueError, r"3-D mask of shape \(2, 5, 7\) is ambiguous"),
+        "float mask": ((q, kv, kv, torch.zeros(2, 1, 1, 7)), TypeError, r"mask must be a bool tensor.*float32"),
+    }
+
+
+@pytest.mark.parametrize("name", list(_forward_cases()))
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_bad_forward_inputs(name, need_weights):
+    m = MultiHeadAttention(16, 4).double()
+    args, exc, match = _forward_cases()[name]
+    with pytest.raises(exc, match=match):
+        m(*args, need_weights=need_weights)
+
+
+def test_broadcastable_masks_are_accepted():
+    m = MultiHeadAttention(16, 4).double()
+    q, kv = x(2, 5), x(2, 7, seed=2)
+    full = m(q, kv, kv)[0]
+    for shape in [(5, 7), (1, 5, 7), (1, 1, 1, 7), (2, 1, 1, 7), (2, 4, 5, 7)]:
+        check(m(q, kv, kv, torch.ones(shape, dtype=torch.bool))[0], full)
