@@ -3,7 +3,6 @@
 # %% ../book/07_model.ipynb #c002
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 
 import torch
