@@ -210,7 +210,7 @@ def server(tmp_path):
     root = tmp_path / "served"
     root.mkdir()
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), partial(Quiet, directory=str(root)))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     Quiet.requests = []
     yield f"http://127.0.0.1:{httpd.server_address[1]}/raw", root / "raw"
