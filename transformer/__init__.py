@@ -1,2 +1,15 @@
-"""The Transformer of "Attention Is All You Need", built chapter by chapter in the book under book/."""
+"""The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), built chapter by chapter.
+
+Hand-written (the rest of the package is generated from book/ by nbdev-export): the public API,
+each name from the chapter that builds it. Figures live in `transformer.viz` (imports altair).
+"""
 __version__ = "0.1.0"
+
+from .data import DataError, load_multi30k, read_parallel                           # 01 the corpus
+from .tokens import BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch, token_batches  # 01 tokens
+from .attention import attention, scaled_dot_product_attention                      # 02, 03
+from .heads import MultiHeadAttention                                                # 04
+from .positions import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_encoding  # 05
+from .blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward       # 06
+from .masking import causal_mask, decoder_mask, padding_mask, teacher_forcing       # 07
+from .model import PRESETS, Transformer, TransformerConfig                          # 07
