@@ -132,6 +132,14 @@ def test_initialization():
     x = m.src_embed(torch.arange(1, 4000)[None])
     assert x.std().item() == pytest.approx(1.0, rel=0.02)                # ... so embeddings × √d_model ≈ unit scale
     assert torch.equal(m.generator.bias, torch.zeros_like(m.generator.bias))
+    for name, module in [*m.encoder.named_modules(), *m.decoder.named_modules()]:
+        if isinstance(module, nn.Linear):                                 # Xavier-uniform weights, zero biases
+            fan_out, fan_in = module.weight.shape
+            assert module.weight.abs().max() <= (6 / (fan_in + fan_out)) ** 0.5, name
+            assert module.weight.std().item() == pytest.approx((2 / (fan_in + fan_out)) ** 0.5, rel=0.1), name
+            assert torch.equal(module.bias, torch.zeros_like(module.bias)), name
+    untied = Transformer(TransformerConfig.preset("small", src_vocab=4000, tgt_vocab=4000, tie_embeddings=False))
+    assert untied.generator.weight.std().item() == pytest.approx(256 ** -0.5, rel=0.02)
 
 
 # ---- equivalence with torch.nn.Transformer ---------------------------------------------------------
@@ -140,6 +148,10 @@ def test_initialization():
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_matches_torch_transformer(norm_first):
     m = tiny(norm_first=norm_first)
+    with torch.no_grad():                      # biases start at zero: make them count
+        for p in m.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.1)
     randomize_norms(m)
     c = m.config
     ref = nn.Transformer(c.d_model, c.h, c.n_layers, c.n_layers, c.d_ff, dropout=0.0, batch_first=True,
@@ -161,6 +173,12 @@ def test_matches_torch_transformer(norm_first):
     want = m.generator(hidden)
     got = m(src, tgt)
     assert (got - want).abs().max().item() < 1e-10
+    with torch.no_grad():                      # negative control: one changed weight is noticed
+        ref.decoder.layers[-1].linear2.weight[0, 0] += 1e-3
+    hidden = ref(m.pos(m.src_embed(src)), m.pos(m.tgt_embed(tgt)), tgt_mask=~causal_mask(T)[0, 0],
+                 src_key_padding_mask=src == PAD, tgt_key_padding_mask=tgt == PAD,
+                 memory_key_padding_mask=src == PAD)
+    assert (got - m.generator(hidden)).abs().max().item() > 1e-6
 
 
 def test_forward_is_encode_then_decode():
