@@ -66,15 +66,15 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
         weights = dropout(weights)
     return weights @ value, weights                              # (..., T_q, d_v): weighted average of the values
 
-# %% ../book/03_scaling.ipynb #c002
+# %% ../book/03_scaling.ipynb #c018
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                                  dropout_p: float = 0.0, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
     """Eq. (1) with the contract of `attention`, fast: PyTorch's fused `F.scaled_dot_product_attention`
     when the weights aren't needed, the teaching path `attention` when they are.
 
-    mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is applied whenever it
-    is > 0, so pass 0.0 in evaluation. Returns (output (..., T_q, d_v), weights (..., T_q, T_k) or None).
-    A query whose keys are all masked gets a zero output (and zero weights), never NaN."""
+    mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is applied to the weights
+    whenever it is > 0, so pass 0.0 in evaluation. Returns (output (..., T_q, d_v), weights (..., T_q, T_k)
+    or None). A query whose keys are all masked gets a zero output (and zero weights), never NaN."""
     if need_weights:
         dropout = (lambda w: F.dropout(w, p=dropout_p)) if dropout_p > 0 else None
         return attention(query, key, value, mask, dropout)
@@ -82,6 +82,6 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     if mask is None:                                             # the common case: nothing extra to do
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p), None
     keep = mask.any(dim=-1, keepdim=True)                        # (..., T_q, 1): does the query see any key?
-    # Let an all-masked row attend everywhere (so no kernel ever sees a row of -inf), then zero its output.
+    # An all-masked row attends everywhere inside the kernel (no row of -inf), then its output is zeroed.
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | ~keep, dropout_p=dropout_p)
     return out.masked_fill(~keep, 0.0), None                     # (..., T_q, d_v)
