@@ -175,3 +175,28 @@ def test_bad_inputs_raise_clear_errors(name, fn):
             "fast+weights": lambda: scaled_dot_product_attention(*args, need_weights=True)}[fn]
     with pytest.raises(exc, match=match):
         call()
+
+
+def test_fast_path_gradients_equal_teaching_path_gradients():
+    T = 6
+    pad = padding_mask(T_k=T, lengths=(6, 3))
+    mask = pad & causal(T) & pad.transpose(-1, -2)                 # includes rows that see no key
+    grads = []
+    for need_weights in (False, True):
+        q, k, v = (t.requires_grad_(True) for t in qkv(T_q=T, T_k=T))
+        out, _ = scaled_dot_product_attention(q, k, v, mask, need_weights=need_weights)
+        (out * torch.linspace(-1, 1, out.size(-1), dtype=F64)).sum().backward()
+        grads.append([q.grad, k.grad, v.grad])
+    for fast, slow in zip(*grads):
+        assert not fast.isnan().any()
+        torch.testing.assert_close(fast, slow, rtol=0, atol=1e-12)
+
+
+def test_fast_path_under_inference_mode_matches():
+    q, k, v = qkv()
+    mask = padding_mask(lengths=(7, 4)) & torch.ones(5, 7, dtype=torch.bool).index_fill(0, torch.tensor([1]), False)
+    expected, _ = attention(q, k, v, mask)
+    with torch.inference_mode():
+        out, _ = scaled_dot_product_attention(q, k, v, mask)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
+    assert (out[:, :, 1] == 0).all()

@@ -81,7 +81,8 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     _check_attention_inputs(query, key, value, mask)
     if mask is None:                                             # the common case: nothing extra to do
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p), None
-    keep = mask.any(dim=-1, keepdim=True)                        # (..., T_q, 1): does the query see any key?
-    # An all-masked row attends everywhere inside the kernel (no row of -inf), then its output is zeroed.
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | ~keep, dropout_p=dropout_p)
-    return out.masked_fill(~keep, 0.0), None                     # (..., T_q, d_v)
+    blind = ~mask.any(dim=-1, keepdim=True)                      # (..., T_q, 1): True where a query sees no key
+    # A blind row attends everywhere inside the kernel (no row of -inf ever reaches it), then its output is zeroed,
+    # in place when autograd doesn't need the kernel's output (inference), which saves a copy.
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | blind, dropout_p=dropout_p)
+    return (out.masked_fill(blind, 0.0) if out.requires_grad else out.masked_fill_(blind, 0.0)), None
