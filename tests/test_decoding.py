@@ -1,0 +1,147 @@
+"""Chapter 08a, decoding.py: greedy and beam search, length penalty, translate."""
+import random
+
+import pytest
+import torch
+
+from transformer.decoding import beam_search, greedy_search, length_penalty, translate
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
+from transformer.training import TrainConfig, model_from_checkpoint, train
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def copy_examples(n, seed, vocab=16, lo=3, hi=6):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+        out.append((x + [EOS], [BOS] + x + [EOS]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory):
+    "A tiny model trained to copy its input; best.pt by validation loss (a few hundred steps on CPU)."
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    out = tmp_path_factory.mktemp("copier")
+    model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64, norm_first=True))
+    train(model, copy_examples(3000, seed=1), copy_examples(100, seed=2),
+          TrainConfig(batch_tokens=1024, max_steps=400, warmup=50, lr_scale=0.2, eval_every=50,
+                      label_smoothing=0.0), out_dir=out, progress=False)
+    return model_from_checkpoint(out / "best.pt")
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    torch.manual_seed(1)
+    return Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
+                                         dropout=0.0, max_len=128)).eval()
+
+
+def test_greedy_and_beam_copy_exactly(copier):
+    held_out = copy_examples(60, seed=5)
+    src, _ = pad_batch([s for s, _ in held_out])
+    want = [t[1:-1] for _, t in held_out]
+    assert greedy_search(copier, src) == want
+    assert beam_search(copier, src, beam_size=4) == want
+    assert beam_search(copier, src, beam_size=3, alpha=0.0) == want
+
+
+def test_beam_size_one_is_greedy(random_model):
+    torch.manual_seed(2)
+    src = torch.randint(4, 20, (12, 9))
+    src[3, 5:] = PAD
+    src[7, 2:] = PAD
+    for extra in (0, 3, 50):
+        assert beam_search(random_model, src, beam_size=1, extra_len=extra) == greedy_search(random_model, src, extra)
+
+
+def test_output_length_is_capped_at_source_plus_extra(random_model):
+    src = torch.randint(4, 20, (4, 6))
+    src[1, 2:] = PAD                                                   # 2 real tokens
+    for extra in (0, 5):
+        for hyps in (greedy_search(random_model, src, extra), beam_search(random_model, src, 2, extra_len=extra)):
+            lengths = [len(h) for h in hyps]
+            assert lengths[1] <= 2 + extra and max(lengths) <= 6 + extra
+    assert all(EOS not in h and PAD not in h and BOS not in h for h in greedy_search(random_model, src))
+
+
+def test_decoding_does_not_depend_on_the_batch(random_model):
+    torch.manual_seed(3)
+    seqs = [torch.randint(4, 20, (n,)).tolist() + [EOS] for n in (3, 8, 5, 1)]
+    batch, _ = pad_batch(seqs)
+    together = greedy_search(random_model, batch, 10), beam_search(random_model, batch, 3, extra_len=10)
+    for i, s in enumerate(seqs):
+        alone = torch.tensor([s])
+        assert greedy_search(random_model, alone, 10)[0] == together[0][i]
+        assert beam_search(random_model, alone, 3, extra_len=10)[0] == together[1][i]
+
+
+def test_beam_finds_at_least_the_greedy_score_on_average(random_model):
+    "With alpha=0 beam search maximises log P; it should not do worse than greedy on most inputs."
+    torch.manual_seed(4)
+    src = torch.randint(4, 20, (16, 5))
+
+    def logp(ids_src, hyp):
+        tgt = torch.tensor([[BOS] + hyp + [EOS]])
+        logits = random_model(ids_src[None], tgt[:, :-1])
+        return logits.log_softmax(-1)[0].gather(-1, tgt[0, 1:, None]).sum().item()
+
+    g, b = greedy_search(random_model, src, 8), beam_search(random_model, src, 4, alpha=0.0, extra_len=8)
+    better = [logp(s, bb) >= logp(s, gg) - 1e-4 for s, gg, bb in zip(src, g, b)]
+    assert sum(better) >= 14
+
+
+def test_length_penalty_values():
+    assert length_penalty(1, 0.6) == pytest.approx(1.0)
+    assert length_penalty(10, 0.6) == pytest.approx((15 / 6) ** 0.6)
+    assert length_penalty(10, 0.0) == 1.0
+
+
+@pytest.fixture(scope="module")
+def words():
+    vocab = "zero one two three four five six seven eight nine".split()
+    rng = random.Random(0)
+    pairs = []
+    for _ in range(500):
+        ws = [rng.choice(vocab) for _ in range(rng.randint(2, 6))]
+        pairs.append((" ".join(ws), " ".join(ws)))
+    return Tokenizer.train([s for p in pairs for s in p], vocab_size=56)
+
+
+def test_translate_text_to_text_keeps_order_and_handles_empty(random_model, words):
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=56, tgt_vocab=56, d_model=32, d_ff=64, h=4, n_layers=1,
+                                          dropout=0.0, max_len=128))
+    texts = ["one two three", "", "nine", "four four four four five"]
+    out = translate(model, words, texts, batch_size=2)
+    assert len(out) == 4 and all(isinstance(t, str) for t in out)
+    assert out == [translate(model, words, [t])[0] for t in texts]
+    assert translate(model, words, []) == []
+    assert model.training                                              # mode restored
+    assert translate(model, words, texts, beam_size=1) == out
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda m, t: greedy_search(m, torch.tensor([4, 5, 6])), ValueError, r"\(B, S\)"),
+    (lambda m, t: greedy_search(m, torch.zeros(0, 3, dtype=torch.long)), ValueError, "non-empty"),
+    (lambda m, t: greedy_search(m, torch.tensor([[4, 5]]), extra_len=-1), ValueError, "extra_len=-1"),
+    (lambda m, t: beam_search(m, torch.tensor([[4, 5]]), beam_size=0), ValueError, "beam_size=0"),
+    (lambda m, t: beam_search(m, torch.tensor([[4, 5]]), alpha=-0.5), ValueError, "alpha=-0.5"),
+    (lambda m, t: translate(m, t, "one two"), TypeError, "list of sentences"),
+    (lambda m, t: translate(m, t, ["one"], batch_size=0), ValueError, "batch_size=0"),
+    (lambda m, t: translate(m, t, ["one"]), ValueError, "the tokenizer has 56 tokens but the model expects"),
+])
+def test_bad_inputs(random_model, words, call, error, match):
+    with pytest.raises(error, match=match):
+        call(random_model, words)

@@ -1,0 +1,90 @@
+"""Chapter 08b, evaluation.py: BLEU (cased and lowercased), chrF, scoring a model."""
+import math
+from collections import Counter
+
+import pytest
+import torch
+from sacrebleu.metrics import BLEU
+
+from transformer.evaluation import bleu, bleu_callback, bleu_lc_tok, chrf, evaluate, score
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import Tokenizer
+
+HYPS = ["a man in an orange hat looking at something .", "a terrier runs on the green grass .",
+        "a girl in a karate uniform breaks a board ."]
+REFS = ["a man in an orange hat starring at something .",
+        "a boston terrier is running on lush green grass in front of a white fence .",
+        "a girl in karate uniform breaking a stick with a front kick ."]
+
+
+def bleu_oracle(hyps, refs):
+    "Papineni et al. (2002) on space-separated tokens: clipped n-gram precisions, brevity penalty."
+    match, total, c, r = [0] * 4, [0] * 4, 0, 0
+    for h, t in zip(hyps, refs):
+        h, t = h.split(), t.split()
+        c, r = c + len(h), r + len(t)
+        for n in range(1, 5):
+            hn = Counter(tuple(h[i:i + n]) for i in range(len(h) - n + 1))
+            rn = Counter(tuple(t[i:i + n]) for i in range(len(t) - n + 1))
+            match[n - 1] += sum(min(k, rn[g]) for g, k in hn.items())
+            total[n - 1] += max(len(h) - n + 1, 0)
+    return 100 * min(1, math.exp(1 - r / c)) * math.exp(sum(math.log(m / t) for m, t in zip(match, total)) / 4)
+
+
+def test_sacrebleu_agrees_with_the_definition():
+    assert BLEU(tokenize="none", smooth_method="none").corpus_score(HYPS, [REFS]).score == \
+        pytest.approx(bleu_oracle(HYPS, REFS), abs=1e-9)
+    # our bleu() tokenizes with 13a; on text already split at punctuation it is the same number
+    assert bleu(HYPS, REFS) == pytest.approx(bleu_oracle(HYPS, REFS), abs=0.5)
+
+
+def test_perfect_and_disjoint():
+    assert bleu(REFS, REFS) == pytest.approx(100.0)
+    assert chrf(REFS, REFS) == pytest.approx(100.0)
+    assert bleu(["xyz qqq"] * 3, REFS) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_case_only_matters_to_the_cased_score():
+    upper = [h.capitalize() for h in HYPS]
+    assert bleu_lc_tok(upper, REFS) == pytest.approx(bleu_lc_tok(HYPS, REFS))
+    assert bleu(upper, REFS) < bleu(HYPS, REFS)
+
+
+def test_tokenization_happens_inside():
+    detok = [h.replace(" .", ".") for h in HYPS]
+    assert bleu(detok, REFS) == pytest.approx(bleu(HYPS, REFS))       # 13a splits the full stop off
+
+
+def test_score_returns_all_three_with_signatures():
+    s = score(HYPS, REFS)
+    assert s["bleu"] == pytest.approx(bleu(HYPS, REFS)) and s["chrf"] == pytest.approx(chrf(HYPS, REFS))
+    assert s["bleu_lc_tok"] == pytest.approx(bleu_lc_tok(HYPS, REFS))
+    assert "case:lc" in s["signatures"]["bleu_lc_tok"] and "tok:13a" in s["signatures"]["bleu_lc_tok"]
+    assert "case:mixed" in s["signatures"]["bleu"]
+
+
+@pytest.mark.parametrize("hyps, refs, error, match", [
+    (HYPS, REFS[:2], ValueError, "3 hypotheses but 2 references"),
+    ([], [], ValueError, "empty"),
+    ("a sentence", REFS, TypeError, "hyps must be a list"),
+    (HYPS, [1, 2, 3], TypeError, r"refs\[0\] is a int"),
+])
+@pytest.mark.parametrize("fn", [bleu, bleu_lc_tok, chrf, score])
+def test_bad_inputs(fn, hyps, refs, error, match):
+    with pytest.raises(error, match=match):
+        fn(hyps, refs)
+
+
+def test_evaluate_and_callback_on_a_model():
+    texts = ["one two three", "four five", "six seven eight nine"]
+    tokenizer = Tokenizer.train(texts * 50, vocab_size=40)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=40, tgt_vocab=40, d_model=16, d_ff=32, h=2, n_layers=1,
+                                          dropout=0.0, max_len=64))
+    pairs = [(t, t) for t in texts]
+    s = evaluate(model, tokenizer, pairs)
+    assert 0 <= s["bleu"] <= 100 and 0 <= s["chrf"] <= 100
+    out = bleu_callback(tokenizer, pairs)(model, 7)
+    assert set(out) == {"bleu", "bleu_lc_tok", "chrf"} and out["bleu"] == pytest.approx(s["bleu"])
+    with pytest.raises(ValueError, match="no \\(source, reference\\) pairs"):
+        evaluate(model, tokenizer, [])

@@ -1,0 +1,390 @@
+"""Chapter 08, training.py: loss, schedule, batching, checkpoints, the loop (learning, resume, DDP, stops)."""
+import json
+import math
+import os
+import signal
+import socket
+from dataclasses import asdict
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, EOS, PAD
+from transformer.training import (CHECKPOINT_FORMAT, CheckpointError, Seq2SeqLoss, TrainConfig, TrainingError,
+                                  collate, epoch_batches, label_smoothed_nll, load_checkpoint,
+                                  model_from_checkpoint, my_pieces, rate, save_checkpoint, strip_prefixes,
+                                  train)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    "Tiny tensors: one thread is faster on a busy 2-core machine, and results do not depend on core count."
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def copy_examples(n, vocab=16, lo=3, hi=8, seed=0, reverse=False):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+        out.append((x + [EOS], [BOS] + (x[::-1] if reverse else x) + [EOS]))
+    return out
+
+
+def tiny_config(dropout=0.0, vocab=16):
+    return TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, d_ff=64, h=4, n_layers=2,
+                             dropout=dropout, max_len=64, norm_first=True)
+
+
+def quick(**kw):
+    base = dict(batch_tokens=512, max_steps=20, warmup=20, lr_scale=0.5, eval_every=10, log_every=1)
+    return TrainConfig(**{**base, **kw})
+
+
+# --- loss -------------------------------------------------------------------------------------
+
+def test_label_smoothing_matches_hand_computation():
+    z = torch.tensor([[2.0, 0.0, -1.0]], dtype=torch.float64)
+    logz = math.log(math.exp(2) + 1 + math.exp(-1))
+    logp = [2.0 - logz, -logz, -1.0 - logz]
+    eps = 0.1
+    q = [1 - eps + eps / 3, eps / 3, eps / 3]
+    loss, nll = label_smoothed_nll(z, torch.tensor([0]), eps, pad_id=-1)
+    assert loss.item() == pytest.approx(-sum(qk * lk for qk, lk in zip(q, logp)), abs=1e-12)
+    assert nll.item() == pytest.approx(-logp[0], abs=1e-12)
+    loss0, nll0 = label_smoothed_nll(z, torch.tensor([0]), 0.0, pad_id=-1)
+    assert loss0.item() == pytest.approx(nll0.item(), abs=1e-12)
+
+
+def test_label_smoothing_matches_torch_and_ignores_padding():
+    torch.manual_seed(0)
+    logits = torch.randn(3, 6, 20, dtype=torch.float64)
+    target = torch.randint(4, 20, (3, 6))
+    target[0, 3:] = PAD
+    target[2, 1:] = PAD
+    ref = F.cross_entropy(logits.reshape(-1, 20), target.reshape(-1), ignore_index=PAD, label_smoothing=0.1,
+                          reduction="sum")
+    ours, nll = label_smoothed_nll(logits, target, 0.1)
+    assert torch.allclose(ours, ref, rtol=1e-12)
+    ref_nll = F.cross_entropy(logits.reshape(-1, 20), target.reshape(-1), ignore_index=PAD, reduction="sum")
+    assert torch.allclose(nll, ref_nll, rtol=1e-12)
+    garbage = logits.clone()
+    garbage[target == PAD] = 1e6
+    assert torch.equal(label_smoothed_nll(garbage, target, 0.1)[0], ours)
+
+
+def test_label_smoothing_is_finite_for_extreme_logits():
+    z = torch.zeros(1, 8)
+    z[0, 3] = 1e4
+    loss, nll = label_smoothed_nll(z, torch.tensor([3]), 0.1)
+    assert math.isfinite(loss.item()) and loss.item() > 100       # overconfidence is punished, not NaN
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(epsilon=1.0), "epsilon=1.0"),
+    (dict(epsilon=-0.1), "epsilon=-0.1"),
+    (dict(epsilon=True), "epsilon=True"),
+    (dict(target=torch.zeros(2, 4, dtype=torch.long)), "do not fit target"),
+])
+def test_label_smoothing_bad_inputs(kwargs, match):
+    args = dict(logits=torch.zeros(2, 3, 5), target=torch.zeros(2, 3, dtype=torch.long), epsilon=0.1)
+    with pytest.raises(ValueError, match=match):
+        label_smoothed_nll(**{**args, **kwargs})
+
+
+# --- schedule ---------------------------------------------------------------------------------
+
+def test_rate_matches_equation_3():
+    assert rate(1, 512) == pytest.approx(512 ** -0.5 * 4000 ** -1.5)
+    assert rate(4000, 512) == pytest.approx((512 * 4000) ** -0.5)        # the peak
+    assert rate(4000, 512) == pytest.approx(7.0e-4, rel=0.01)
+    assert rate(16000, 512) == pytest.approx(rate(4000, 512) / 2)        # 1/sqrt decay
+    assert rate(100, 256, warmup=400, scale=3.0) == pytest.approx(3 * 256 ** -0.5 * 100 * 400 ** -1.5)
+    assert max(range(1, 9000, 7), key=lambda s: rate(s, 512)) in range(3990, 4011)
+
+
+@pytest.mark.parametrize("step", [0, -1, 1.5, True])
+def test_rate_bad_step(step):
+    with pytest.raises(ValueError, match="step="):
+        rate(step, 512)
+
+
+# --- batches ----------------------------------------------------------------------------------
+
+def test_epoch_batches_pieces_partition_the_data_and_ranks_split_them():
+    ex = copy_examples(300)
+    steps = epoch_batches(ex, 400, seed=0, epoch=0, pieces=4)
+    flat = [i for step in steps for piece in step for i in piece]
+    assert len(flat) == len(set(flat)) and len(flat) > 250             # no pair twice, few dropped
+    for step in steps:
+        assert len(step) == 4
+        shares = [my_pieces(step, r, 2) for r in range(2)]
+        assert shares[0] + shares[1] != [] and sorted(map(tuple, shares[0] + shares[1])) == sorted(map(tuple, step))
+        for piece in step:
+            src, tgt = collate(ex, piece)
+            assert src.numel() <= 100 and tgt.numel() <= 100                # budget 400 / 4 pieces
+    assert epoch_batches(ex, 400, 0, 0, 4) == steps                    # deterministic
+    assert epoch_batches(ex, 400, 0, 1, 4) != steps                    # reshuffled per epoch
+
+
+def test_accumulated_gradient_equals_one_batch():
+    ex = copy_examples(48)
+    net = Seq2SeqLoss(Transformer(tiny_config()).double())
+    idx = list(range(48))
+    n = sum(len(ex[i][1]) - 1 for i in idx)
+
+    def grads(pieces):
+        net.zero_grad()
+        for piece in pieces:
+            (net(*collate(ex, piece))[0] / n).backward()
+        return torch.cat([p.grad.flatten() for p in net.parameters()])
+
+    assert torch.allclose(grads([idx]), grads([idx[:17], idx[17:30], idx[30:]]), rtol=1e-10, atol=1e-13)
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+def test_checkpoint_roundtrip_weights_only(tmp_path):
+    model = Transformer(tiny_config())
+    path = save_checkpoint(tmp_path / "m.pt", model, train_config=quick(), progress={"step": 3})
+    assert not list(tmp_path.glob(".*tmp"))                            # atomic: no temp file left
+    state = torch.load(path, weights_only=True)                        # plain data only
+    assert state["format"] == CHECKPOINT_FORMAT and state["progress"]["step"] == 3
+    again = model_from_checkpoint(path)
+    assert not again.training
+    for (k, a), (k2, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert k == k2 and torch.equal(a, b)
+
+
+def test_checkpoint_prefixes_are_stripped(tmp_path):
+    model = Transformer(tiny_config())
+    state = load_checkpoint(save_checkpoint(tmp_path / "m.pt", model))
+    state["model"] = {f"_orig_mod.module.{k}": v for k, v in state["model"].items()}
+    assert set(strip_prefixes(state["model"])) == set(model.state_dict())
+    model_from_checkpoint(state)                                       # loads without error
+
+
+def test_compiled_model_saves_without_prefix(tmp_path):
+    model = Transformer(tiny_config())
+    compiled = torch.compile(model)                                    # wrapping only; nothing is compiled
+    assert any(k.startswith("_orig_mod.") for k in compiled.state_dict())
+    state = load_checkpoint(save_checkpoint(tmp_path / "m.pt", model))
+    assert not any(k.startswith("_orig_mod.") for k in state["model"])
+
+
+@pytest.mark.parametrize("content, match", [
+    (None, "no such checkpoint"),
+    (b"", "not a readable checkpoint"),
+    (b"garbage bytes, not a zip", "not a readable checkpoint"),
+    ("foreign", "not a checkpoint of this package"),
+    ("pickled_object", "not a readable checkpoint"),
+    ("truncated", "not a readable checkpoint"),
+])
+def test_load_checkpoint_bad_files(tmp_path, content, match):
+    path = tmp_path / "x.pt"
+    if content == "foreign":
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
+    elif content == "pickled_object":
+        torch.save({"format": CHECKPOINT_FORMAT, "obj": TrainConfig()}, path)   # not weights_only-safe
+    elif content == "truncated":
+        save_checkpoint(path, Transformer(tiny_config()))
+        path.write_bytes(path.read_bytes()[:1000])
+    elif content is not None:
+        path.write_bytes(content)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(path)
+
+
+def test_model_from_checkpoint_rejects_a_broken_config(tmp_path):
+    state = load_checkpoint(save_checkpoint(tmp_path / "m.pt", Transformer(tiny_config())))
+    state["model_config"]["d_model"] = 30
+    with pytest.raises(CheckpointError, match="does not describe a model this package can build"):
+        model_from_checkpoint(state)
+
+
+# --- config -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(batch_tokens=0), "batch_tokens=0"),
+    (dict(max_steps=2.5), "max_steps=2.5"),
+    (dict(lr_scale=0), "lr_scale=0"),
+    (dict(label_smoothing=1.0), "label_smoothing=1.0"),
+    (dict(clip_norm=-1.0), "clip_norm=-1.0"),
+    (dict(max_minutes=0), "max_minutes=0"),
+    (dict(beta2=1.0), "beta2=1.0"),
+])
+def test_train_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_train_config_presets():
+    assert TrainConfig.preset("base").batch_tokens == 25_000 and TrainConfig.preset("base").warmup == 4000
+    assert TrainConfig.preset("tiny", warmup=7).warmup == 7
+    with pytest.raises(ValueError, match="unknown preset 'huge'"):
+        TrainConfig.preset("huge")
+    assert TrainConfig.from_dict(asdict(TrainConfig.preset("small"))) == TrainConfig.preset("small")
+
+
+# --- the loop ---------------------------------------------------------------------------------
+
+def test_tiny_model_learns_to_copy():
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64, norm_first=True))
+    task, held_out = copy_examples(3000, seed=1), copy_examples(100, seed=2)
+    result = train(model, task, held_out, TrainConfig(batch_tokens=512, max_steps=300, warmup=50, lr_scale=0.3,
+                                                      eval_every=50, label_smoothing=0.0), progress=False)
+    evals = [r["val_nll"] for r in result.history if r["kind"] == "eval"]
+    assert evals[0] > 1.0 and min(evals[-2:]) < 0.1, evals            # from guessing to copying
+    assert result.stopped == "max_steps" and result.step == 300 and result.tokens > 0
+
+
+def run_steps(out_dir, max_steps, resume=False, dropout=0.1):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(dropout))
+    result = train(model, copy_examples(200), copy_examples(20, seed=3), quick(max_steps=max_steps, eval_every=5),
+                   out_dir=out_dir, resume=resume, progress=False)
+    return model, result
+
+
+def test_resume_gives_identical_losses_and_weights(tmp_path):
+    model_a, a = run_steps(tmp_path / "a", 16)
+    _, b1 = run_steps(tmp_path / "b", 8)
+    model_b, b2 = run_steps(tmp_path / "b", 16, resume=True)
+    losses = lambda h: [r["loss"] for r in h if r["kind"] == "train"]
+    assert b2.step == 16 and len(losses(b2.history)) == 8
+    assert losses(a.history) == losses(b1.history) + losses(b2.history)
+    for p, q in zip(model_a.state_dict().values(), model_b.state_dict().values()):
+        assert torch.equal(p, q)
+    logged = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()
+                        if json.loads(l)["kind"] == "train"]
+    assert logged(tmp_path / "b") == logged(tmp_path / "a") == losses(a.history)
+    assert {"last.pt", "best.pt", "metrics.jsonl"} <= {p.name for p in (tmp_path / "b").iterdir()}
+
+
+def test_resume_refuses_a_different_config(tmp_path):
+    run_steps(tmp_path, 4)
+    with pytest.raises(ValueError, match="training config differs.*warmup=21"):
+        train(Transformer(tiny_config(0.1)), copy_examples(200), None, quick(max_steps=8, warmup=21),
+              out_dir=tmp_path, resume=True, progress=False)
+    with pytest.raises(ValueError, match="the model differs.*d_ff=128"):
+        cfg = TransformerConfig(**{**tiny_config(0.1).to_dict(), "d_ff": 128})
+        train(Transformer(cfg), copy_examples(200), None, quick(max_steps=8), out_dir=tmp_path, resume=True,
+              progress=False)
+
+
+def test_nan_stops_before_the_update_and_keeps_the_last_good_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    calls = {"n": 0}
+
+    def poison(module, inputs, output):
+        if module.training:
+            calls["n"] += 1
+            if calls["n"] > 12:
+                return output * float("nan")
+        return output
+
+    model.generator.register_forward_hook(poison)
+    with pytest.raises(TrainingError, match=r"became nan at step 13.*last\.pt \(step 10\)"):
+        train(model, copy_examples(200), copy_examples(20, seed=3), quick(max_steps=50, eval_every=5),
+              out_dir=tmp_path, progress=False)
+    saved = load_checkpoint(tmp_path / "last.pt")
+    assert saved["progress"]["step"] == 10
+    assert all(torch.isfinite(v).all() for v in saved["model"].values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())    # the bad step was not applied
+
+
+def test_ctrl_c_finishes_the_step_saves_and_returns(tmp_path):
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    calls = {"n": 0}
+
+    def interrupt(module, inputs, output):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            os.kill(os.getpid(), signal.SIGINT)
+        return output
+
+    model.generator.register_forward_hook(interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    result = train(model, copy_examples(200), None, quick(max_steps=50, eval_every=100),
+                   out_dir=tmp_path, progress=False)
+    assert result.stopped == "interrupted" and result.step == 7
+    assert load_checkpoint(tmp_path / "last.pt")["progress"]["step"] == 7
+    assert signal.getsignal(signal.SIGINT) is before                   # handler restored
+
+
+def test_max_minutes_stops_and_evaluates(tmp_path):
+    torch.manual_seed(0)
+    result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),
+                   quick(max_steps=1000, max_minutes=1e-6, eval_every=500), out_dir=tmp_path, progress=False)
+    assert result.stopped == "max_minutes" and result.step == 1
+    assert result.history[-1]["kind"] == "eval" and (tmp_path / "best.pt").exists()
+
+
+def test_on_eval_bleu_picks_best(tmp_path):
+    scores = iter([10.0, 30.0, 20.0])
+    result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),
+                   quick(max_steps=15, eval_every=5), out_dir=tmp_path, progress=False,
+                   on_eval=lambda model, step: {"bleu": next(scores)})
+    assert result.best == {"metric": "bleu", "value": 30.0, "step": 10}
+    assert load_checkpoint(tmp_path / "best.pt")["progress"]["step"] == 10
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(train_examples=[]), "train_examples is empty"),
+    (dict(resume=True), "resume=True needs out_dir"),
+    (dict(config=TrainConfig(batch_tokens=8)), "more than max_tokens"),
+    (dict(config=TrainConfig(batch_tokens=64, accum_steps=64)), "more than max_tokens|no full step"),
+])
+def test_train_bad_inputs(kwargs, match):
+    args = dict(model=Transformer(tiny_config()), train_examples=copy_examples(50), config=quick(), progress=False)
+    with pytest.raises(ValueError, match=match):
+        train(**{**args, **kwargs})
+
+
+# --- DDP --------------------------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ddp_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(tiny_config())
+        result = train(model, copy_examples(300), copy_examples(20, seed=3),
+                       quick(max_steps=6, batch_tokens=800, eval_every=6), out_dir=out_dir, progress=False)
+        torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
+    torch.manual_seed(0)
+    single = Transformer(tiny_config())
+    one = train(single, copy_examples(300), copy_examples(20, seed=3),
+                quick(max_steps=6, batch_tokens=800, eval_every=6, accum_steps=2), out_dir=tmp_path / "one",
+                progress=False)
+    (tmp_path / "two").mkdir()
+    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    expected = [r["loss"] for r in one.history if r["kind"] == "train"]
+    for rank in range(2):                                              # every process logged the global loss
+        assert torch.load(tmp_path / "two" / f"losses{rank}.pt") == pytest.approx(expected, rel=1e-5)
+    ddp = load_checkpoint(tmp_path / "two" / "last.pt")["model"]
+    for k, v in single.state_dict().items():
+        assert torch.allclose(ddp[k], v, atol=1e-5), k
+    assert not (tmp_path / "two" / "losses_extra").exists()
