@@ -1,0 +1,187 @@
+"""transformer.bench: the reference computes our function, the FLOP count and the memory probe are exact,
+and the benchmark runs end to end on real Multi30k batches, feeding both models the same inputs.
+No assertion here reads a clock."""
+import json
+import re
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from transformer import bench
+from transformer.bench import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
+                               resolve_device, train_flops, train_step)
+from transformer.decoding import greedy_search
+from transformer.masking import causal_mask
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, PAD
+
+pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+
+# one thread: on a busy two-core machine two OpenMP threads wait on each other (slow, not wrong)
+SMALL_RUN = ["--preset", "tiny", "--device", "cpu", "--repeats", "2", "--batches", "2", "--max-tokens", "400",
+             "--decode-sentences", "4", "--vocab-size", "500", "--threads", "1"]
+
+
+def _pair(norm_first=False, vocab=120):
+    torch.manual_seed(0)
+    cfg = TransformerConfig.preset("tiny", src_vocab=vocab, tgt_vocab=vocab, dropout=0.0, norm_first=norm_first)
+    ours = Transformer(cfg).double().eval()
+    if norm_first:  # make the final LayerNorms non-trivial, so that copying them is tested
+        with torch.no_grad():
+            for norm in (ours.encoder.norm, ours.decoder.norm):
+                norm.weight.uniform_(0.5, 1.5)
+                norm.bias.uniform_(-0.5, 0.5)
+    return ours, copy_weights(ours, TorchTransformer(cfg).double()).eval()
+
+
+def _batch(vocab=120):
+    g = torch.Generator().manual_seed(1)
+    src = torch.randint(4, vocab, (4, 8), generator=g)
+    src[1, 5:] = PAD
+    tgt_in = torch.randint(4, vocab, (4, 6), generator=g)
+    tgt_in[:, 0] = BOS
+    tgt_in[2, 4:] = PAD
+    return src, tgt_in
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_reference_computes_our_function(norm_first):
+    ours, ref = _pair(norm_first)
+    src, tgt_in = _batch()
+    with torch.no_grad():
+        a, b = ours(src, tgt_in), ref(src, tgt_in)
+    real = tgt_in != PAD
+    torch.testing.assert_close(a[real], b[real], rtol=0, atol=1e-10)
+    assert ours.num_parameters() == sum(p.numel() for p in ref.parameters())
+
+
+def test_reference_can_fail():
+    "The equivalence test above can fail: one changed weight breaks it."
+    ours, ref = _pair()
+    with torch.no_grad():
+        ref.core.decoder.layers[0].linear1.weight[0, 0] += 0.5
+    src, tgt_in = _batch()
+    with torch.no_grad():
+        assert (ours(src, tgt_in) - ref(src, tgt_in)).abs().max() > 1e-6
+
+
+def test_reference_decode_takes_a_causal_mask_and_decodes_alike():
+    ours, ref = _pair()
+    src, tgt_in = _batch()
+    memory = ours.encode(src)
+    with torch.no_grad():
+        a = ours.decode(tgt_in, memory, tgt_mask=causal_mask(tgt_in.size(1)))
+        b = ref.decode(tgt_in, memory, tgt_mask=causal_mask(tgt_in.size(1)))
+    torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+    assert greedy_search(ours, src, extra_len=4) == greedy_search(ref, src, extra_len=4)
+    with pytest.raises(ValueError, match=r"one \(T, T\) = \(6, 6\) target mask"):
+        ref.decode(tgt_in, memory, tgt_mask=torch.ones(4, 1, 6, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("model_cls", [Transformer, TorchTransformer])
+@pytest.mark.parametrize("B,S,T", [(3, 7, 5), (2, 4, 9)])
+def test_train_flops_equal_pytorch_flop_counter(model_cls, B, S, T):
+    cfg = TransformerConfig.preset("tiny", src_vocab=90, tgt_vocab=90)
+    model = model_cls(cfg)
+    src, tgt = torch.randint(4, 90, (B, S)), torch.randint(4, 90, (B, T + 1))
+    with FlopCounterMode(display=False) as counter:
+        train_step(model, torch.optim.Adam(model.parameters()), src, tgt)
+    assert counter.get_total_flops() == train_flops(cfg, B, S, T)
+
+
+def test_peak_memory_cpu_is_the_high_water_mark():
+    def fn():
+        a = torch.empty(250_000)        # 1 MB
+        b = torch.empty(500_000)        # 2 MB -> 3 MB live
+        del a
+        c = torch.empty(100_000)        # 0.4 MB -> 2.4 MB live
+        return b, c
+    assert peak_memory(fn, torch.device("cpu")) == 3_000_000
+
+
+def test_assumed_peaks():
+    assert assumed_peak_tflops("NVIDIA H100 80GB HBM3") == 989.0
+    assert assumed_peak_tflops("NVIDIA H100 PCIe") == 756.0
+    assert assumed_peak_tflops("NVIDIA A100-SXM4-80GB") == 312.0
+    assert assumed_peak_tflops("Some Future GPU") is None
+
+
+def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
+    "Real Multi30k batches, tiny preset: the table ends in a parsable line, --json is one valid object."
+    seen = {"Transformer": [], "TorchTransformer": []}
+    decoded = {"Transformer": [], "TorchTransformer": []}
+    real_step, real_search = bench.train_step, bench.greedy_search
+
+    def recording_step(model, optimizer, src, tgt, autocast=False):
+        seen[type(model).__name__].append((src.clone(), tgt.clone()))
+        return real_step(model, optimizer, src, tgt, autocast)
+
+    def recording_search(model, src, **kwargs):
+        decoded[type(model).__name__].append(src.clone())
+        return real_search(model, src, **kwargs)
+
+    threads_before = torch.get_num_threads()
+    monkeypatch.setattr(bench, "train_step", recording_step)
+    monkeypatch.setattr(bench, "greedy_search", recording_search)
+    assert bench.main(SMALL_RUN) == 0
+    out = capsys.readouterr().out
+    last = out.strip().splitlines()[-1]
+    m = re.fullmatch(r"speedup_vs_nn: (\d+\.\d\d)", last)
+    assert m and float(m.group(1)) > 0
+    assert "train target tokens/s" in out and "greedy decode sentences/s" in out
+
+    # both models saw the same batches, in the same number, and decoded the same sources
+    a, b = seen["Transformer"], seen["TorchTransformer"]
+    assert len(a) == len(b) == 1 + 2 * 2 + 1          # warm-up, 2 rounds x 2 batches, the memory probe
+    assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
+    assert len({tuple(x[0].shape) for x in a}) >= 1 and all(x[0].dim() == 2 for x in a)
+    da, db = decoded["Transformer"], decoded["TorchTransformer"]
+    assert len(da) == len(db) > 0 and all(torch.equal(x, y) for x, y in zip(da, db))
+
+    assert bench.main(SMALL_RUN + ["--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["speedup_vs_nn"] == pytest.approx(sorted(result["train"]["ratio"])[0] / 2
+                                                    + sorted(result["train"]["ratio"])[1] / 2)
+    assert len(result["train"]["ours_tokens_per_s"]) == len(result["train"]["nn_tokens_per_s"]) == 2
+    assert result["data"]["max_tokens"] == 400 and result["preset"] == "tiny"
+    assert result["command"].startswith("python -m transformer bench") and "--json" in result["command"]
+    for key in ("git_commit", "torch", "device_name", "torch_threads"):
+        assert key in result
+    assert result["memory"]["train_peak_bytes"]["ours"] > 0 and result["flops"]["mfu"] is None
+    assert result["torch_threads"] == 1 and torch.get_num_threads() == threads_before  # restored
+
+
+def test_bench_writes_json_file(tmp_path, capsys):
+    out = tmp_path / "r" / "bench.json"
+    assert bench.main(SMALL_RUN + ["--repeats", "1", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    assert table.strip().splitlines()[-1] == f"speedup_vs_nn: {saved['speedup_vs_nn']:.2f}"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--repeats", "0"], r"--repeats=0 must be >= 1"),
+    (["--batches", "-1"], r"--batches=-1 must be >= 1"),
+    (["--max-tokens", "0"], r"--max-tokens=0 must be >= 1"),
+    (["--threads", "0"], r"--threads=0 must be >= 1"),
+    (["--preset", "huge"], r"invalid choice: 'huge'"),
+    (["--device", "tpu"], r"invalid choice: 'tpu'"),
+])
+def test_bad_arguments(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv)
+    assert e.value.code == 2
+    assert re.search(message, capsys.readouterr().err)
+
+
+def test_bad_values_in_python():
+    with pytest.raises(ValueError, match=r"repeats=0 must be an int >= 1"):
+        bench.run_bench(repeats=0)
+    with pytest.raises(ValueError, match=r"device='tpu' is not one of"):
+        resolve_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match=r"no CUDA GPU; use --device cpu"):
+            resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"only \d+ batches of max_tokens=100000"):
+        bench.bench_data(n_batches=50, max_tokens=100_000, vocab_size=500, n_pairs=2000)
