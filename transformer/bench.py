@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -194,6 +195,20 @@ def assumed_peak_tflops(device_name: str) -> float | None:
     return None
 
 # %% ../book/09_results.ipynb #r023
+@contextlib.contextmanager
+def _quiet_stderr():
+    "Silence file descriptor 2 for a while: the profiler's C++ side logs its start and stop there."
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 def peak_memory(fn, device: torch.device) -> int:
     """Bytes allocated at the peak of `fn()` above what was allocated when it started.
     CUDA: `torch.cuda.max_memory_allocated`. CPU: PyTorch keeps no such counter, so we record every
@@ -207,7 +222,7 @@ def peak_memory(fn, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
