@@ -169,8 +169,11 @@ def load_run(run_dir: str | os.PathLike, which: str = "best",
 
 # %% ../book/08d_commands.ipynb #c009
 def _pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
-    pairs = load_multi30k(src, tgt, split, data_dir=args.data, download=not args.no_download,
-                          progress=not getattr(args, "quiet", False))
+    try:
+        pairs = load_multi30k(src, tgt, split, data_dir=args.data, download=not args.no_download,
+                              progress=not getattr(args, "quiet", False))
+    except DataError as e:  # say it in the words of the command line
+        raise DataError(str(e).replace("pass download=True", "drop --no-download")) from None
     return pairs[:args.eval_sentences] if getattr(args, "eval_sentences", None) and split != "train" else pairs
 
 
@@ -316,8 +319,7 @@ def cmd_evaluate(args) -> int:
         if "src" not in data or "tgt" not in data:
             raise CLIError(f"{args.model}/config.json does not say the languages; use --src-file/--ref-file")
         split = args.split or "test_2016_flickr"
-        pairs = load_multi30k(data["src"], data["tgt"], split, data_dir=args.data,
-                              download=not args.no_download, progress=False)
+        pairs = _pairs(args, split, data["src"], data["tgt"])
         where = f"{split} ({data['src']}->{data['tgt']})"
     pairs = pairs[:args.limit] if args.limit else pairs
     s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)

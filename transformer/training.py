@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import warnings
+import zipfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -174,11 +175,16 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
+        raise CheckpointError(f"{path} is not a readable checkpoint (not a file written by torch.save, "
+                              f"or a truncated one)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types for foreign or truncated files
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable checkpoint ({reason[:200]})") from None
+    except Exception as e:  # torch raises many types for foreign or damaged files
+        lines = [l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__]
+        reason = next((l.split("error:", 1)[1].split(". Please")[0].strip() for l in lines
+                       if "WeightsUnpickler error:" in l), lines[0])
+        raise CheckpointError(f"{path} is not a readable checkpoint ({reason[:160]})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a checkpoint of this package (format "
@@ -209,8 +215,8 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None) -> 
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
-    "tiny":  dict(batch_tokens=3000, warmup=400, lr_scale=1.0, max_steps=2000, eval_every=500),
-    "small": dict(batch_tokens=6000, warmup=800, lr_scale=1.0, max_steps=20_000, eval_every=1000),
+    "tiny":  dict(batch_tokens=3000, warmup=200, lr_scale=1.0, max_steps=2000, eval_every=250),
+    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000, eval_every=250),
     "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000, eval_every=2000),
     "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000, eval_every=2000),
 }
