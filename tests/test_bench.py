@@ -74,7 +74,7 @@ def test_reference_decode_takes_a_causal_mask_and_decodes_alike():
         a = ours.decode(tgt_in, memory, tgt_mask=causal_mask(tgt_in.size(1)))
         b = ref.decode(tgt_in, memory, tgt_mask=causal_mask(tgt_in.size(1)))
     torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
-    assert greedy_search(ours, src, extra_len=4) == greedy_search(ref, src, extra_len=4)
+    assert greedy_search(ours, src, extra_len=4, cache=False) == greedy_search(ref, src, extra_len=4, cache=False)
     with pytest.raises(ValueError, match=r"one \(T, T\) = \(6, 6\) target mask"):
         ref.decode(tgt_in, memory, tgt_mask=torch.ones(4, 1, 6, 6, dtype=torch.bool))
 
@@ -118,7 +118,7 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
         return real_step(model, optimizer, src, tgt, autocast)
 
     def recording_search(model, src, **kwargs):
-        decoded[type(model).__name__].append(src.clone())
+        decoded[type(model).__name__].append((src.clone(), kwargs.get("cache", True)))
         return real_search(model, src, **kwargs)
 
     threads_before = torch.get_num_threads()
@@ -136,8 +136,11 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     assert len(a) == len(b) == 1 + 2 * 2 + 1          # warm-up, 2 rounds x 2 batches, the memory probe
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
     assert len({tuple(x[0].shape) for x in a}) >= 1 and all(x[0].dim() == 2 for x in a)
-    da, db = decoded["Transformer"], decoded["TorchTransformer"]
+    da = [x for x, cache in decoded["Transformer"] if not cache]       # the comparison: no cache for either
+    db = [x for x, cache in decoded["TorchTransformer"] if not cache]
     assert len(da) == len(db) > 0 and all(torch.equal(x, y) for x, y in zip(da, db))
+    assert not any(cache for _, cache in decoded["TorchTransformer"])
+    assert [x.shape for x, cache in decoded["Transformer"] if cache]     # ours is also timed with its cache
 
     assert bench.main(SMALL_RUN + ["--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -149,6 +152,7 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     for key in ("git_commit", "torch", "device_name", "torch_threads"):
         assert key in result
     assert result["memory"]["train_peak_bytes"]["ours"] > 0 and result["flops"]["mfu"] is None
+    assert len(result["decode"]["ours_cached_sentences_per_s"]) == 2 and result["decode"]["cached_median_ratio"] > 0
     assert result["torch_threads"] == 1 and torch.get_num_threads() == threads_before  # restored
 
 

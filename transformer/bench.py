@@ -292,7 +292,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
               bf16: bool | None = None, seed: int = 0, log=None) -> dict:
     """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same batches) in one
     process: `repeats` rounds, each one training pass over the batches and one greedy decode per model,
-    in alternating order. `bf16=None` means bf16 autocast on CUDA, float32 on CPU. `threads` sets
+    in alternating order (both re-run the decoder on the whole prefix; ours is also timed with chapter 8's
+    key/value cache, which `nn.Transformer` lacks, and reported apart). `bf16=None` means bf16 autocast on CUDA, float32 on CPU. `threads` sets
     `torch.set_num_threads` for the run (restored afterwards).
     Returns a JSON-ready dict; `speedup_vs_nn` is the median training ratio."""
     for name, value in (("repeats", repeats), ("n_batches", n_batches), ("decode_sentences", decode_sentences)):
@@ -351,13 +352,14 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
 
         generated = {}
 
-        def decode(name: str, i: int) -> float:
+        def decode(name: str, i: int, cache: bool = False) -> float:
             models[name].eval()
             src = decode_srcs[i]
             def run():
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = greedy_search(models[name], src, extra_len=DECODE_EXTRA)
-                generated[name] = generated.get(name, 0) + sum(len(ids) for ids in out)
+                    out = greedy_search(models[name], src, extra_len=DECODE_EXTRA, cache=cache)
+                key = name + (" cached" if cache else "")
+                generated[key] = generated.get(key, 0) + sum(len(ids) for ids in out)
             return timed(run)
 
         log("bench: warm-up" + (" (torch.compile)" if compile else ""))
@@ -365,12 +367,14 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             for i in range(len(batches) if compile else 1):
                 step(name, i)
             decode(name, 0)
+        decode("ours", 0, cache=True)
 
         # Interleave at the finest grain, one step at a time, and alternate who goes first, so that both models
         # see the same machine (a busy neighbour slows both, not one).
         names = list(models)
         train_s = {k: [0.0] * repeats for k in names}
         decode_s = {k: [0.0] * repeats for k in names}
+        cached_s = [0.0] * repeats              # ours with chapter 8's key/value cache (nn.Transformer has none)
         for r in range(repeats):
             generated.clear()
             for i in range(len(batches)):
@@ -379,11 +383,13 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             for i in range(len(decode_srcs)):
                 for name in (names if (r + i) % 2 == 0 else names[::-1]):
                     decode_s[name][r] += decode(name, i)
+                cached_s[r] += decode("ours", i, cache=True)
             log(f"bench: repeat {r + 1}/{repeats}: train ours/nn {train_s['nn'][r] / train_s['ours'][r]:.2f}, "
                 f"decode ours/nn {decode_s['nn'][r] / decode_s['ours'][r]:.2f}")
         tokens = data.target_tokens
         train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
         decode_sps = {k: [n_decode / t for t in v] for k, v in decode_s.items()}
+        cached_sps = [n_decode / t for t in cached_s]
 
         log("bench: peak memory")
         biggest = max(batches, key=lambda b: b[0].numel() + b[1].numel())
@@ -393,7 +399,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             mem_train[name] = peak_memory(lambda: train_step(forward[name], optimizers[name], *biggest, autocast=autocast), dev)
             model.eval()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                mem_decode[name] = peak_memory(lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA), dev)
+                mem_decode[name] = peak_memory(lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA,
+                                                                         cache=False), dev)
 
         flops = sum(train_flops(config, s.size(0), s.size(1), t.size(1) - 1) for s, t in batches)
         tflops = {k: flops * _median(v) / tokens / 1e12 for k, v in train_tps.items()}
@@ -410,7 +417,10 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             "train": {"ours_tokens_per_s": train_tps["ours"], "nn_tokens_per_s": train_tps["nn"],
                       "ratio": train_ratio, "median_ratio": _median(train_ratio)},
             "decode": {"ours_sentences_per_s": decode_sps["ours"], "nn_sentences_per_s": decode_sps["nn"],
-                       "generated_tokens": generated, "ratio": decode_ratio, "median_ratio": _median(decode_ratio)},
+                       "generated_tokens": generated, "ratio": decode_ratio, "median_ratio": _median(decode_ratio),
+                       "ours_cached_sentences_per_s": cached_sps,
+                       "cached_ratio": [a / b for a, b in zip(cached_sps, decode_sps["nn"])],
+                       "cached_median_ratio": _median([a / b for a, b in zip(cached_sps, decode_sps["nn"])])},
             "memory": {"method": ("torch.cuda.max_memory_allocated" if cuda else
                                   "torch.profiler allocation events (profile_memory=True), peak of the running sum"),
                        "train_peak_bytes": mem_train, "train_ratio": mem_train["ours"] / mem_train["nn"],
@@ -449,6 +459,8 @@ def format_table(result: dict) -> str:
         f"{tr['median_ratio']:11.2f}",
         f"{'greedy decode sentences/s':26}{med(de['ours_sentences_per_s']):12.1f}{med(de['nn_sentences_per_s']):16.1f}"
         f"{de['median_ratio']:11.2f}",
+        f"{'  ours with k/v cache':26}{med(de['ours_cached_sentences_per_s']):12.1f}{'':16}"
+        f"{de['cached_median_ratio']:11.2f}",
         f"{'train peak memory MiB':26}{mib(mem['train_peak_bytes']['ours']):12.1f}"
         f"{mib(mem['train_peak_bytes']['nn']):16.1f}{mem['train_ratio']:11.2f}",
         f"{'decode peak memory MiB':26}{mib(mem['decode_peak_bytes']['ours']):12.1f}"
