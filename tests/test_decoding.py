@@ -66,6 +66,34 @@ def test_beam_size_one_is_greedy(random_model):
         assert beam_search(random_model, src, beam_size=1, extra_len=extra) == greedy_search(random_model, src, extra)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cache_gives_the_outputs_and_logits_of_the_full_prefix(norm_first):
+    torch.manual_seed(5)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=3,
+                                          dropout=0.0, max_len=128, norm_first=norm_first)).eval()
+    src = torch.randint(4, 20, (6, 7))
+    src[2, 3:] = PAD
+    assert greedy_search(model, src, 12) == greedy_search(model, src, 12, cache=False)
+    assert beam_search(model, src, 3, extra_len=12) == beam_search(model, src, 3, extra_len=12, cache=False)
+    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.masking import padding_mask
+    mask = padding_mask(src)
+    memory = model.encode(src, mask)
+    cached, plain = CachedDecoder(model, memory, mask), PrefixDecoder(model, memory, mask)
+    ys = torch.full((6, 1), BOS)
+    with torch.no_grad():
+        for _ in range(6):
+            a, b = cached.next_logits(ys), plain.next_logits(ys)
+            assert torch.allclose(a, b, atol=1e-5)
+            ys = torch.cat([ys, torch.randint(4, 20, (6, 1))], 1)
+
+
+def test_cached_greedy_matches_on_the_trained_copier(copier):
+    src, _ = pad_batch([s for s, _ in copy_examples(30, seed=9)])
+    assert greedy_search(copier, src, cache=False) == greedy_search(copier, src)
+    assert beam_search(copier, src, 4, cache=False) == beam_search(copier, src, 4)
+
+
 def test_output_length_is_capped_at_source_plus_extra(random_model):
     src = torch.randint(4, 20, (4, 6))
     src[1, 2:] = PAD                                                   # 2 real tokens

@@ -244,6 +244,7 @@ def test_tiny_model_learns_to_copy():
     evals = [r["val_nll"] for r in result.history if r["kind"] == "eval"]
     assert evals[0] > 1.0 and min(evals[-2:]) < 0.1, evals            # from guessing to copying
     assert result.stopped == "max_steps" and result.step == 300 and result.tokens > 0
+    assert 0 < result.eval_seconds < result.train_seconds and result.tokens_per_second > 0
 
 
 def run_steps(out_dir, max_steps, resume=False, dropout=0.1):

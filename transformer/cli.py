@@ -273,7 +273,8 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     results = {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"], "chrf": test["chrf"],
                "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
                "val": {k: val[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
-               "train_seconds": result.train_seconds, "tokens_per_second": result.tokens_per_second,
+               "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
+               "tokens_per_second": result.tokens_per_second,
                "steps": result.step, "epochs": result.epoch, "stopped": result.stopped,
                "best_step": (result.best or {}).get("step"), "device": _device_name(device),
                "world_size": world_size, "torch": torch.__version__, "params": model.num_parameters(),
@@ -281,8 +282,8 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
                "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
                "command": "python -m transformer " + " ".join(args.argv)}
     _write_json(out / "results.json", results)
-    say(f"{result.step} steps in {result.train_seconds / 60:.1f} min, {result.tokens_per_second:,.0f} target tokens/s; "
-        f"best.pt from step {results['best_step']}")
+    say(f"{result.step} steps in {result.train_seconds / 60:.1f} min ({result.eval_seconds / 60:.1f} of them "
+        f"validating), {result.tokens_per_second:,.0f} target tokens/s of training; best.pt from step {results['best_step']}")
     for name, s in (("val", val), (args.eval_split, test))[: 1 if args.eval_split == "val" else 2]:
         say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  "
             f"chrF {s['chrf']:.2f}  (beam {args.beam})")

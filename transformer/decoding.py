@@ -9,11 +9,13 @@ import warnings
 import torch
 
 from .tokens import PAD, BOS, EOS, Tokenizer, pad_batch
+from .attention import scaled_dot_product_attention
+from .heads import MultiHeadAttention
 from .masking import padding_mask, causal_mask
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['length_penalty', 'greedy_search', 'beam_search', 'translate']
+__all__ = ['length_penalty', 'PrefixDecoder', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate']
 
 # %% ../book/08a_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
@@ -42,20 +44,95 @@ def _until_eos(ids: list[int]) -> list[int]:
     return out
 
 # %% ../book/08a_decoding.ipynb #c007
+def _heads(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
+    "(N, T, d_model) -> (N, h, T, d_k), the head split of chapter 4."
+    N, T, _ = x.shape
+    return x.reshape(N, T, mha.h, mha.d_k).transpose(1, 2)
+
+
+def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            mask: torch.Tensor | None) -> torch.Tensor:
+    "Multi-head attention of new queries x (N, 1, d_model) over cached keys/values (N, h, T, d_k)."
+    out, _ = scaled_dot_product_attention(_heads(mha, mha.w_q(x)), k, v, mask)   # (N, h, 1, d_k)
+    return mha.w_o(out.transpose(1, 2).reshape(x.size(0), -1, mha.d_model))      # (N, 1, d_model)
+
+
+class PrefixDecoder:
+    "Next-token logits by running the decoder over the whole prefix (the training computation)."
+
+    def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor):
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+
+    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
+        "ys (N, t+1) -> logits (N, V) of token t+1."
+        mask = causal_mask(ys.size(1), device=ys.device)                       # (1, 1, t+1, t+1)
+        hidden = self.model.decode(ys, self.memory, self.src_mask, mask)        # (N, t+1, d_model)
+        return self.model.generator(hidden[:, -1])
+
+    def reorder(self, rows: list[int]) -> None:
+        "Rows of the next step come from these rows (beam search); nothing is cached here."
+
+
+class CachedDecoder:
+    "Next-token logits from the newest token only, with per-layer key/value caches."
+
+    def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor):
+        self.model, self.src_mask = model, src_mask
+        self.memory_kv = [(_heads(l.cross_attn, l.cross_attn.w_k(memory)),            # (N, h, S, d_k), once
+                           _heads(l.cross_attn, l.cross_attn.w_v(memory))) for l in model.decoder.layers]
+        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(model.decoder.layers)
+
+    def _self_attention(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+        sa = layer.self_attn
+        k, v = _heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x))                   # (N, h, 1, d_k)
+        if self.self_kv[i] is not None:
+            k, v = torch.cat([self.self_kv[i][0], k], 2), torch.cat([self.self_kv[i][1], v], 2)
+        self.self_kv[i] = (k, v)                                               # (N, h, t+1, d_k)
+        return _attend(sa, x, k, v, None)           # the newest token may see every earlier one
+
+    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
+        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
+        m, t = self.model, ys.size(1) - 1
+        y = m.tgt_embed(ys[:, -1:]) + m.pos.pe[t]                             # (N, 1, d_model)
+        for i, layer in enumerate(m.decoder.layers):                           # DecoderLayer.forward, one position
+            mk, mv = self.memory_kv[i]
+            if layer.norm_first:
+                y = y + self._self_attention(i, layer, layer.norm1(y))
+                y = y + _attend(layer.cross_attn, layer.norm2(y), mk, mv, self.src_mask)
+                y = y + layer.feed_forward(layer.norm3(y))
+            else:
+                y = layer.norm1(y + self._self_attention(i, layer, y))
+                y = layer.norm2(y + _attend(layer.cross_attn, y, mk, mv, self.src_mask))
+                y = layer.norm3(y + layer.feed_forward(y))
+        return m.generator(m.decoder.norm(y)[:, -1])                           # (N, V)
+
+    def reorder(self, rows: list[int]) -> None:
+        "Beam search re-ordered the rows: the caches follow (the memory's rows are the same)."
+        index = torch.tensor(rows, device=self.self_kv[0][0].device)
+        self.self_kv = [(k[index], v[index]) for k, v in self.self_kv]
+
+
+def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool):
+    "Encode once; return the decoder state for `copies` rows per sentence."
+    src_mask = padding_mask(src, model.config.pad_id)                          # (B, 1, 1, S)
+    memory = model.encode(src, src_mask)                                       # (B, S, d_model)
+    if copies > 1:
+        memory, src_mask = memory.repeat_interleave(copies, 0), src_mask.repeat_interleave(copies, 0)
+    return (CachedDecoder if cache else PrefixDecoder)(model, memory, src_mask)
+
+# %% ../book/08a_decoding.ipynb #c009
 @torch.no_grad()
-def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50) -> list[list[int]]:
+def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
+                  cache: bool = True) -> list[list[int]]:
     "Batched greedy decoding: source ids (B, S) -> B lists of output ids (no BOS, no EOS)."
     limits = _output_limits(model, src, extra_len)
-    pad = model.config.pad_id
-    src_mask = padding_mask(src, pad)                                    # (B, 1, 1, S)
-    memory = model.encode(src, src_mask)                                 # (B, S, d_model), once
-    B, device = src.size(0), src.device
+    state = _start(model, src, 1, cache)
+    B, device, pad = src.size(0), src.device, model.config.pad_id
     limit = torch.tensor(limits, device=device)                          # (B,)
     ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)        # (B, 1)
     done = torch.zeros(B, dtype=torch.bool, device=device)               # (B,)
     for t in range(max(limits)):
-        hidden = model.decode(ys, memory, src_mask, causal_mask(t + 1, device=device))  # (B, t+1, d_model)
-        next_id = model.generator(hidden[:, -1]).argmax(-1)              # (B,)
+        next_id = state.next_logits(ys).argmax(-1)                       # (B,)
         next_id = next_id.masked_fill(done, pad)
         ys = torch.cat([ys, next_id[:, None]], dim=1)                    # (B, t+2)
         done |= (next_id == EOS) | (t + 1 >= limit)
@@ -63,10 +140,10 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50) ->
             break
     return [_until_eos(row) for row in ys[:, 1:].tolist()]
 
-# %% ../book/08a_decoding.ipynb #c009
+# %% ../book/08a_decoding.ipynb #c011
 @torch.no_grad()
 def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4, alpha: float = 0.6,
-                extra_len: int = 50) -> list[list[int]]:
+                extra_len: int = 50, cache: bool = True) -> list[list[int]]:
     "Batched beam search with GNMT's length penalty: source ids (B, S) -> B lists of output ids."
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
@@ -74,18 +151,14 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4, alpha
         raise ValueError(f"alpha={alpha!r} must be >= 0")
     limits = _output_limits(model, src, extra_len)
     K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
-    src_mask = padding_mask(src, pad)                                    # (B, 1, 1, S)
-    memory = model.encode(src, src_mask)                                 # (B, S, d_model), once
-    memory = memory.repeat_interleave(K, dim=0)                          # (B*K, S, d_model)
-    src_mask = src_mask.repeat_interleave(K, dim=0)                      # (B*K, 1, 1, S)
+    state = _start(model, src, K, cache)                                 # encoder once, K rows per sentence
     ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
     scores = torch.full((B, K), -math.inf, device=device)                # (B, K) log P of each hypothesis
     scores[:, 0] = 0.0                                                   # one live hypothesis at the start
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
     done = [False] * B
     for t in range(max(limits)):
-        hidden = model.decode(ys, memory, src_mask, causal_mask(t + 1, device=device))  # (B*K, t+1, d_model)
-        logp = model.generator(hidden[:, -1]).float().log_softmax(-1)    # (B*K, V)
+        logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
         V = logp.size(-1)
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
         top, flat = cand.topk(min(2 * K, K * V), dim=-1)                 # (B, 2K) best extensions
@@ -114,10 +187,11 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4, alpha
         if all(done):
             break
         ys = torch.cat([ys[rows], torch.tensor(tokens, device=device)[:, None]], dim=1)  # (B*K, t+2)
+        state.reorder(rows)
         scores = torch.tensor(new_scores, device=device).view(B, K)
     return [_until_eos(max(f, key=lambda x: x[0])[1]) if f else [] for f in finished]
 
-# %% ../book/08a_decoding.ipynb #c011
+# %% ../book/08a_decoding.ipynb #c013
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str], beam_size: int = 1,
               alpha: float = 0.6, extra_len: int = 50, batch_size: int = 64) -> list[str]:
     "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4 and alpha=0.6."

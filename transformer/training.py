@@ -284,14 +284,16 @@ class TrainResult:
     step: int
     epoch: int
     stopped: str                       # "max_steps", "max_minutes" or "interrupted"
-    train_seconds: float
+    train_seconds: float               # wall time of the loop, evaluations included, over all sessions
+    eval_seconds: float                # the part spent evaluating and saving
     tokens: int                        # real target tokens seen
     best: dict | None                  # {"metric", "value", "step"} of best.pt
     history: list[dict] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / max(self.train_seconds, 1e-9)
+        "Training throughput: target tokens per second of training, evaluation time excluded."
+        return self.tokens / max(self.train_seconds - self.eval_seconds, 1e-9)
 
 
 def world() -> tuple[int, int]:
@@ -395,14 +397,14 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     optimizer = make_optimizer(model, (config.beta1, config.beta2), config.adam_eps)
-    at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "tokens": 0}
+    at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "eval_seconds": 0.0, "tokens": 0}
     best = None
     if resume:
         saved = load_checkpoint(out / "last.pt")
         _check_resumable(saved, config, model, out / "last.pt")
         model.load_state_dict(strip_prefixes(saved["model"]))
         optimizer.load_state_dict(saved["optimizer"])
-        at.update({k: saved["progress"][k] for k in at})
+        at.update({k: saved["progress"].get(k, at[k]) for k in at})
         best = saved["progress"].get("best")
     if out is not None and rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -504,6 +506,7 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": now}
                 bar.update(1)
                 if (at["step"] % config.eval_every == 0 or done) and stopped != "interrupted":
+                    eval_start = time.perf_counter()
                     if rank == 0 and val_examples:
                         record = {"kind": "eval", "step": at["step"], "epoch": at["epoch"],
                                   **evaluate_loss(model, val_examples, config.batch_tokens // config.accum_steps,
@@ -518,9 +521,11 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                             save("best.pt")
                         log({**record, "seconds": seconds_before + time.perf_counter() - session_start})
                     at["seconds"] = seconds_before + time.perf_counter() - session_start
+                    at["eval_seconds"] += time.perf_counter() - eval_start
                     save("last.pt")
                     if world_size > 1:
                         dist.barrier()
+                    window["time"] += time.perf_counter() - eval_start  # tokens/s counts training only
                 elif done:
                     save("last.pt")
                 if done:
@@ -528,4 +533,4 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     finally:
         bar.close()
     return TrainResult(step=at["step"], epoch=at["epoch"], stopped=stopped, train_seconds=at["seconds"],
-                       tokens=at["tokens"], best=best, history=history)
+                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history)
