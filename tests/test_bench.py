@@ -189,3 +189,13 @@ def test_bad_values_in_python():
             resolve_device("cuda")
     with pytest.raises(ValueError, match=r"only \d+ batches of max_tokens=100000"):
         bench.bench_data(n_batches=50, max_tokens=100_000, vocab_size=500, n_pairs=2000)
+
+
+def test_python_m_transformer_dispatches_bench(capsys):
+    "`python -m transformer bench ...` reaches transformer.bench (wired in the hand-written __main__.py)."
+    from transformer.__main__ import main as entry
+
+    with pytest.raises(SystemExit) as exc:
+        entry(["bench", "--help"])
+    assert exc.value.code == 0
+    assert "--preset" in capsys.readouterr().out

@@ -1,7 +1,21 @@
-"""`python -m transformer train|translate|evaluate`: the command line of `transformer.cli`."""
+"""`python -m transformer train|translate|evaluate|bench`.
+
+Hand-written: train/translate/evaluate are `transformer.cli` (chapter 8); `bench` is
+`transformer.bench` (chapter 9), dispatched here because cli.py must not import a later chapter.
+"""
 import sys
 
-from transformer.cli import main
+from transformer.cli import main as _cli_main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:
+        from transformer.bench import main as bench_main
+
+        return bench_main(argv[1:])
+    return _cli_main(argv)
+
 
 if __name__ == "__main__":
     sys.exit(main())
