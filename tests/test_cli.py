@@ -71,6 +71,7 @@ def test_train_writes_the_run_directory(trained):
     for key in ("bleu", "bleu_lc_tok", "chrf", "train_seconds", "eval_seconds", "tokens_per_second"):
         assert isinstance(results[key], float) and results[key] >= 0, key
     assert results["split"] == "test_2016_flickr" and results["steps"] == 24 and results["params"] > 0
+    assert 0 < results["epochs"] < 1
     assert results["eval_seconds"] < results["train_seconds"]
     assert results["device"].startswith("cpu") and results["torch"] == torch.__version__
     assert set(results["val"]) == {"bleu", "bleu_lc_tok", "chrf"}

@@ -133,7 +133,8 @@ def _device(name: str) -> torch.device:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
-    return f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads, {platform.machine()})"
+    threads = torch.get_num_threads()
+    return f"cpu ({os.cpu_count()} cores, {threads} thread{'s' if threads != 1 else ''}, {platform.machine()})"
 
 
 def _write_json(path: Path, obj) -> None:
@@ -275,7 +276,7 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
                "val": {k: val[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
                "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
                "tokens_per_second": result.tokens_per_second,
-               "steps": result.step, "epochs": result.epoch, "stopped": result.stopped,
+               "steps": result.step, "epochs": round(result.epochs, 3), "stopped": result.stopped,
                "best_step": (result.best or {}).get("step"), "device": _device_name(device),
                "world_size": world_size, "torch": torch.__version__, "params": model.num_parameters(),
                "preset": args.preset, "src": args.src, "tgt": args.tgt,

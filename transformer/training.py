@@ -282,7 +282,8 @@ class TrainingError(RuntimeError):
 class TrainResult:
     "What `train` did: where it stopped and why, and everything it logged."
     step: int
-    epoch: int
+    epoch: int                         # index of the epoch the loop is in (0 = the first)
+    epochs: float                      # epochs done, as a fraction: epoch + share of its batches
     stopped: str                       # "max_steps", "max_minutes" or "interrupted"
     train_seconds: float               # wall time of the loop, evaluations included, over all sessions
     eval_seconds: float                # the part spent evaluating and saving
@@ -532,5 +533,6 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                     break
     finally:
         bar.close()
-    return TrainResult(step=at["step"], epoch=at["epoch"], stopped=stopped, train_seconds=at["seconds"],
+    return TrainResult(step=at["step"], epoch=at["epoch"], epochs=at["epoch"] + at["batch"] / len(steps),
+                       stopped=stopped, train_seconds=at["seconds"],
                        eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history)
