@@ -52,7 +52,8 @@ def multi30k():
 
 
 TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 16,
-         "--vocab-size", 1000, "--beam", 2, "--threads", 1, "--quiet", "--no-download", "--log-every", 4]
+         "--vocab-size", 1000, "--beam", 2, "--threads", 1, "--quiet", "--no-download", "--log-every", 4,
+         "--average", 3, "--snapshot-every", 6]
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,19 @@ def test_train_writes_the_run_directory(trained):
     assert results["eval_seconds"] < results["train_seconds"]
     assert results["device"].startswith("cpu") and results["torch"] == torch.__version__
     assert set(results["val"]) == {"bleu", "bleu_lc_tok", "chrf"}
+    # checkpoint averaging: the last 3 snapshots (every 6 steps), scored on val beside best.pt
+    assert results["averaged"] == ["step-0000012.pt", "step-0000018.pt", "step-0000024.pt"]
+    assert sorted(p.name for p in out.glob("step-*.pt")) == results["averaged"] and (out / "averaged.pt").exists()
+    by = results["val_by_checkpoint"]
+    assert set(by) == {"best", "averaged"} and results["checkpoint"] in by
+    assert by[results["checkpoint"]]["bleu"] == max(v["bleu"] for v in by.values()) == results["val"]["bleu"]
+    assert set(results["greedy"]) == {"bleu", "bleu_lc_tok", "chrf"}
+    # provenance: the code, the machine, the software
+    assert results["python"] and results["cpu"] and results["cpu_count"] == os.cpu_count()
+    assert results["threads"] == 1 and results["train_config"]["keep_checkpoints"] == 3
+    assert results["command"].startswith("python -m transformer train --preset tiny")
+    if (ROOT / ".git").exists():
+        assert len(results["git_commit"]) == 40 and isinstance(results["git_dirty"], bool)
     config = json.loads((out / "config.json").read_text())
     assert config["model"]["d_model"] == 64 and config["data"] == {"src": "de", "tgt": "en", "vocab_size": 1000}
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -124,6 +138,18 @@ def test_resume_continues_and_refuses_changes(trained, tmp_path):
     assert json.loads((out / "results.json").read_text())["steps"] == 30
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 30
+
+
+def test_checkpoint_choice(trained):
+    out, _ = trained
+    chosen = json.loads((out / "results.json").read_text())["checkpoint"]
+    outputs = {}
+    for which in ("chosen", "best", "last", "averaged"):
+        code, stdout, err = run("translate", "--model", out, "--beam", 1, "--checkpoint", which,
+                                "Ein Hund läuft über eine Wiese.")
+        assert code == 0, err
+        outputs[which] = stdout
+    assert outputs["chosen"] == outputs[chosen]
 
 
 def test_translate_empty_input(trained):

@@ -389,3 +389,67 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     for k, v in single.state_dict().items():
         assert torch.allclose(ddp[k], v, atol=1e-5), k
     assert not (tmp_path / "two" / "losses_extra").exists()
+
+
+# --- checkpoint averaging, CPU bf16 -----------------------------------------------------------
+
+def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
+    from transformer.training import average_checkpoints
+    torch.manual_seed(0)
+    model = Transformer(tiny_config(0.1))
+    train(model, copy_examples(200), copy_examples(20, seed=3),
+          quick(max_steps=20, eval_every=10, keep_checkpoints=3, snapshot_every=4), out_dir=tmp_path, progress=False)
+    kept = sorted(tmp_path.glob("step-*.pt"))
+    assert [p.name for p in kept] == ["step-0000012.pt", "step-0000016.pt", "step-0000020.pt"]
+    avg = average_checkpoints(kept)
+    states = [load_checkpoint(p)["model"] for p in kept]
+    for key, value in avg["model"].items():
+        assert value.dtype == states[0][key].dtype
+        expected = sum(s[key].double() for s in states) / 3
+        assert torch.allclose(value.double(), expected, atol=1e-6), key
+    assert not torch.equal(states[0]["generator.bias"], states[-1]["generator.bias"])  # they did differ
+    rebuilt = model_from_checkpoint(avg)
+    assert rebuilt.config == model.config
+    # the mean of one checkpoint is that checkpoint
+    one = average_checkpoints(kept[-1:])
+    assert all(torch.equal(one["model"][k], states[-1][k]) for k in states[-1])
+
+
+def test_average_checkpoints_refuses_mixed_models(tmp_path):
+    from transformer.training import average_checkpoints
+    save_checkpoint(tmp_path / "a.pt", Transformer(tiny_config()))
+    save_checkpoint(tmp_path / "b.pt", Transformer(TransformerConfig(**{**tiny_config().to_dict(), "d_ff": 32})))
+    with pytest.raises(CheckpointError, match="different model"):
+        average_checkpoints([tmp_path / "a.pt", tmp_path / "b.pt"])
+    with pytest.raises(ValueError, match="at least one"):
+        average_checkpoints([])
+    with pytest.raises(CheckpointError, match="no such checkpoint"):
+        average_checkpoints([tmp_path / "a.pt", tmp_path / "missing.pt"])
+
+
+@pytest.mark.parametrize("kwargs, match", [(dict(keep_checkpoints=-1), "keep_checkpoints=-1"),
+                                           (dict(snapshot_every=0), "snapshot_every=0")])
+def test_snapshot_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        TrainConfig(**kwargs)
+
+
+def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
+    from transformer.training import cpu_has_bf16_units
+    assert isinstance(cpu_has_bf16_units(), bool)
+    losses = {}
+    for bf16 in (False, True):
+        torch.manual_seed(0)
+        model = Transformer(tiny_config())
+        seen = []
+        hook = model.generator.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the no-AMX warning, on CPUs without it
+            result = train(model, copy_examples(200), None, quick(max_steps=6, cpu_bf16=bf16), progress=False)
+        hook.remove()
+        assert set(seen) == {torch.bfloat16 if bf16 else torch.float32}
+        assert all(p.dtype == torch.float32 for p in model.parameters())   # master weights stay float32
+        losses[bf16] = [r["loss"] for r in result.history if r["kind"] == "train"]
+    assert losses[True] != losses[False]
+    assert all(abs(a - b) < 0.05 * a for a, b in zip(losses[True], losses[False])), losses

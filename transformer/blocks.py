@@ -26,11 +26,14 @@ class FeedForward(nn.Module):
 
 # %% ../book/06_blocks.ipynb #c016
 class EncoderLayer(nn.Module):
-    "Self-attention then FFN, each wrapped in dropout, a residual connection and LayerNorm."
-    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False):
+    """Self-attention then FFN, each wrapped in dropout, a residual connection and LayerNorm.
+    `dropout` is the paper's residual dropout; `attention_dropout` (on the attention weights) and
+    `ffn_dropout` (on the FFN's hidden units) are tensor2tensor's extras, off by default."""
+    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False,
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, dropout=dropout)
-        self.feed_forward = FeedForward(d_model, d_ff, dropout)
+        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
+        self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
         self.norm_first = norm_first
@@ -52,12 +55,13 @@ class EncoderLayer(nn.Module):
 
 # %% ../book/06_blocks.ipynb #c020
 class DecoderLayer(nn.Module):
-    "Masked self-attention, cross-attention over the encoder's memory, then FFN; same plumbing."
-    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False):
+    "Masked self-attention, cross-attention over the encoder's memory, then FFN; same plumbing and dropouts."
+    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False,
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, dropout=dropout)
-        self.cross_attn = MultiHeadAttention(d_model, h, dropout=dropout)
-        self.feed_forward = FeedForward(d_model, d_ff, dropout)
+        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
+        self.cross_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
+        self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(d_model) for _ in range(3))
         self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
         self.norm_first = norm_first
@@ -92,12 +96,13 @@ def _check_seq(x: torch.Tensor, d_model: int, name: str) -> None:
 class Encoder(nn.Module):
     "N encoder layers; a final LayerNorm only for pre-LN (post-LN layers already end in one)."
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
-                 norm_first: bool = False):
+                 norm_first: bool = False, attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
         self.d_model = d_model
-        self.layers = nn.ModuleList(EncoderLayer(d_model, h, d_ff, dropout, norm_first)
+        self.layers = nn.ModuleList(EncoderLayer(d_model, h, d_ff, dropout, norm_first,
+                                                 attention_dropout, ffn_dropout)
                                     for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 
@@ -111,12 +116,13 @@ class Encoder(nn.Module):
 class Decoder(nn.Module):
     "N decoder layers over the same memory; a final LayerNorm only for pre-LN."
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
-                 norm_first: bool = False):
+                 norm_first: bool = False, attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
         self.d_model = d_model
-        self.layers = nn.ModuleList(DecoderLayer(d_model, h, d_ff, dropout, norm_first)
+        self.layers = nn.ModuleList(DecoderLayer(d_model, h, d_ff, dropout, norm_first,
+                                                 attention_dropout, ffn_dropout)
                                     for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 

@@ -7,7 +7,9 @@ import argparse
 import json
 import os
 import platform
+import subprocess
 import sys
+import time
 import warnings
 from dataclasses import asdict
 from pathlib import Path
@@ -18,8 +20,8 @@ import torch.distributed as dist
 from .data import LANGS, SPLITS, DataError, load_multi30k, read_parallel
 from .tokens import Tokenizer
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import (CheckpointError, TrainConfig, TrainingError, init_distributed,
-                                  make_examples, model_from_checkpoint, train)
+from .training import (CheckpointError, TrainConfig, TrainingError, average_checkpoints,
+                                  init_distributed, make_examples, model_from_checkpoint, save_checkpoint, train)
 from .evaluation import bleu_callback, evaluate
 from .decoding import translate
 
@@ -85,12 +87,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--clip-norm", type=float, metavar="X", help="gradient-norm clipping (0: off)")
     g.add_argument("--dropout", type=float, metavar="P")
     g.add_argument("--vocab-size", type=_positive(int), metavar="N", help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
+    g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 autocast on the CPU (fast with AMX; default: the preset's)")
     g.add_argument("--eval-every", type=_positive(int), metavar="N", help="validate and save every N steps")
     g.add_argument("--log-every", type=_positive(int), metavar="N")
     e = t.add_argument_group("evaluation")
     e.add_argument("--eval-sentences", type=_positive(int), metavar="N", help="translate only the first N sentences of each split")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"], default="test_2016_flickr",
                    help="split scored at the end, besides val (default: test_2016_flickr)")
+    e.add_argument("--average", type=int, metavar="N",
+                   help="average the weights of the last N snapshots at the end and keep the average if it "
+                        "scores higher on val (0: off; default: the preset's)")
+    e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
+                   help="steps between the snapshots --average uses (default: the preset's, else --eval-every)")
     e.add_argument("--beam", type=_positive(int), default=4, help="beam size of the final evaluation (default: 4)")
     e.add_argument("--alpha", type=float, default=0.6, help="length penalty (default: 0.6)")
     t.add_argument("--threads", type=_positive(int), metavar="N", help="CPU threads per process (default: torch's)")
@@ -101,7 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         ("evaluate", "score a model on a Multi30k split or on two files")):
         c = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
         c.add_argument("--model", metavar="DIR", required=True, help="a run directory written by train")
-        c.add_argument("--checkpoint", choices=["best", "last"], default="best")
+        c.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"], default="chosen",
+                       help="which weights (default: what train picked on val: averaged.pt if it won, else best.pt)")
         c.add_argument("--beam", type=_positive(int), default=4, help="beam size (default: 4; 1 = greedy)")
         c.add_argument("--alpha", type=float, default=0.6, help="length penalty (default: 0.6)")
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -137,18 +147,57 @@ def _device_name(device: torch.device) -> str:
     return f"cpu ({os.cpu_count()} cores, {threads} thread{'s' if threads != 1 else ''}, {platform.machine()})"
 
 
+def _provenance() -> dict:
+    "Where a result comes from: the git commit of the code that ran, the machine, the software."
+    import transformer
+    here = Path(transformer.__file__).resolve().parent
+
+    def git(*args) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = git("rev-parse", "HEAD")
+    return {"git_commit": commit,
+            "git_dirty": None if commit is None else git("status", "--porcelain", "--untracked-files=no") != "",
+            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(obj, indent=2) + "\n")
     os.replace(tmp, path)
 
 
-def load_run(run_dir: str | os.PathLike, which: str = "best",
+def _chosen(run_dir: Path) -> str:
+    "The checkpoint `train` picked on val (results.json's `checkpoint`), else best."
+    try:
+        return json.loads((run_dir / "results.json").read_text()).get("checkpoint", "best")
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return "best"
+
+
+def load_run(run_dir: str | os.PathLike, which: str = "chosen",
              device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    "The model (eval mode), tokenizer and config.json of a run directory written by `train`."
+    """The model (eval mode), tokenizer and config.json of a run directory written by `train`.
+    `which`: best, last, averaged, or chosen (the one train picked on val; best when it says nothing)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"--model {run_dir}: no such directory")
+    which = _chosen(run_dir) if which == "chosen" else which
+    if which == "averaged" and not (run_dir / "averaged.pt").exists():
+        raise CLIError(f"--model {run_dir} holds no averaged.pt (train with --average N, N >= 2)")
     path = run_dir / f"{which}.pt"
     if which == "best" and not path.exists():
         path = run_dir / "last.pt"
@@ -240,8 +289,11 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     model_config = TransformerConfig.preset(args.preset, src_vocab=V, tgt_vocab=V,
                                             **({"dropout": args.dropout} if args.dropout is not None else {}))
     overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes", "batch_tokens", "accum_steps", "warmup",
-                                               "lr_scale", "label_smoothing", "eval_every", "log_every")
+                                               "lr_scale", "label_smoothing", "eval_every", "log_every", "cpu_bf16",
+                                               "snapshot_every")
                  if getattr(args, k) is not None}
+    if args.average is not None:
+        overrides["keep_checkpoints"] = args.average
     if args.clip_norm is not None:
         overrides["clip_norm"] = args.clip_norm or None
     train_config = TrainConfig.preset(args.preset, seed=args.seed, compile=args.compile, **overrides)
@@ -267,13 +319,32 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     if rank != 0:
         return 0
 
-    best = model_from_checkpoint(out / "best.pt", device) if (out / "best.pt").exists() else model.eval()
-    val = evaluate(best, tokenizer, val_pairs, beam_size=args.beam, alpha=args.alpha)
+    final_start = time.perf_counter()
+    candidates = {"best": model_from_checkpoint(out / "best.pt", device) if (out / "best.pt").exists()
+                  else model.eval()}
+    keep = train_config.keep_checkpoints
+    snapshots = sorted(out.glob("step-*.pt"))[-keep:] if keep else []
+    if len(snapshots) >= 2:                   # the paper's checkpoint averaging (section 6.1)
+        averaged = average_checkpoints(snapshots)
+        candidates["averaged"] = model_from_checkpoint(averaged, device)
+        save_checkpoint(out / "averaged.pt", candidates["averaged"], progress=averaged["progress"])
+    on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=args.beam, alpha=args.alpha)
+              for name, m in candidates.items()}
+    chosen = max(on_val, key=lambda name: on_val[name]["bleu"])  # picked on val only; a tie keeps best.pt
+    val = on_val[chosen]
     test = val if args.eval_split == "val" else evaluate(
-        best, tokenizer, _pairs(args, args.eval_split, args.src, args.tgt), beam_size=args.beam, alpha=args.alpha)
+        candidates[chosen], tokenizer, _pairs(args, args.eval_split, args.src, args.tgt),
+        beam_size=args.beam, alpha=args.alpha)
+    greedy = test if args.beam == 1 else evaluate(     # greedy too: the number most Multi30k papers give
+        candidates[chosen], tokenizer, _pairs(args, args.eval_split, args.src, args.tgt), beam_size=1)
     results = {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"], "chrf": test["chrf"],
-               "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
+               "split": args.eval_split, "beam": args.beam, "alpha": args.alpha, "checkpoint": chosen,
+               "averaged": [p.name for p in snapshots] if "averaged" in candidates else [],
+               "greedy": {k: greedy[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
                "val": {k: val[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
+               "val_by_checkpoint": {name: {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
+                                     for name, s in on_val.items()},
+               "final_eval_seconds": time.perf_counter() - final_start,
                "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
                "tokens_per_second": result.tokens_per_second,
                "steps": result.step, "epochs": round(result.epochs, 3), "stopped": result.stopped,
@@ -281,10 +352,14 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
                "world_size": world_size, "torch": torch.__version__, "params": model.num_parameters(),
                "preset": args.preset, "src": args.src, "tgt": args.tgt,
                "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
-               "command": "python -m transformer " + " ".join(args.argv)}
+               "train_config": asdict(train_config),
+               "command": "python -m transformer " + " ".join(args.argv), **_provenance()}
     _write_json(out / "results.json", results)
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min ({result.eval_seconds / 60:.1f} of them "
         f"validating), {result.tokens_per_second:,.0f} target tokens/s of training; best.pt from step {results['best_step']}")
+    if len(on_val) > 1:
+        say("val BLEU by checkpoint: " + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
+            f"; using {chosen}.pt")
     for name, s in (("val", val), (args.eval_split, test))[: 1 if args.eval_split == "val" else 2]:
         say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  "
             f"chrF {s['chrf']:.2f}  (beam {args.beam})")

@@ -34,7 +34,9 @@ class TransformerConfig:
     d_ff: int = 2048
     h: int = 8
     n_layers: int = 6
-    dropout: float = 0.1
+    dropout: float = 0.1         # P_drop: sub-layer outputs and embedding sums (section 5.4)
+    attention_dropout: float = 0.0  # tensor2tensor's extras, not in the paper's text: attention weights,
+    ffn_dropout: float = 0.0        # ... and the FFN's hidden units
     max_len: int = 1024          # longest sequence the positional table covers
     norm_first: bool = False     # False: post-LN as in the paper; True: pre-LN
     tie_embeddings: bool = True  # share source/target embeddings and the generator's weight
@@ -51,8 +53,10 @@ class TransformerConfig:
                              f"choose h among the divisors of d_model, e.g. {divisors}")
         if self.d_model % 2:
             raise ValueError(f"d_model={self.d_model} must be even (the sinusoids come in sin/cos pairs)")
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout={self.dropout!r} must be in [0, 1)")
+        for name in ("dropout", "attention_dropout", "ffn_dropout"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+                raise ValueError(f"{name}={value!r} must be in [0, 1)")
         if not 0 <= self.pad_id < min(self.src_vocab, self.tgt_vocab):
             raise ValueError(f"pad_id={self.pad_id} must be a token id below both vocab sizes "
                              f"(src_vocab={self.src_vocab}, tgt_vocab={self.tgt_vocab})")
@@ -89,8 +93,9 @@ class Transformer(nn.Module):
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)  # no weights: shared by both sides
-        self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first)
-        self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first)
+        extras = dict(attention_dropout=c.attention_dropout, ffn_dropout=c.ffn_dropout)
+        self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
+        self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
         self.generator = nn.Linear(c.d_model, c.tgt_vocab)          # logits; the softmax lives in the loss
         self._reset_parameters()
         if c.tie_embeddings:

@@ -30,7 +30,8 @@ from .model import Transformer, TransformerConfig
 __all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer',
            'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'CheckpointError',
            'save_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_from_checkpoint', 'TrainConfig',
-           'TrainingError', 'TrainResult', 'world', 'init_distributed', 'evaluate_loss', 'train']
+           'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world', 'init_distributed', 'evaluate_loss', 'train',
+           'average_checkpoints']
 
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -216,7 +217,8 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None) -> 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
     "tiny":  dict(batch_tokens=3000, warmup=200, lr_scale=1.0, max_steps=2000, eval_every=250),
-    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000, eval_every=250),
+    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000, eval_every=200,
+                  cpu_bf16=True, keep_checkpoints=5, snapshot_every=100),
     "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000, eval_every=2000),
     "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000, eval_every=2000),
 }
@@ -239,17 +241,27 @@ class TrainConfig:
     eval_every: int = 1000          # validate and save last.pt every this many steps
     log_every: int = 50
     seed: int = 0
-    amp: bool = True                # bf16 autocast on CUDA (CPU runs in float32)
+    amp: bool = True                # bf16 autocast on CUDA
+    cpu_bf16: bool = False          # bf16 autocast on the CPU too (pays off with bf16 matrix units, e.g. AMX)
     compile: bool = False           # torch.compile the model + loss
+    keep_checkpoints: int = 0       # also keep the weights of the last N snapshots, for averaging
+    snapshot_every: int | None = None  # steps between those snapshots (default: eval_every)
 
-    # fields that may change when a run is resumed (they do not change the math of a step)
-    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp", "compile", "accum_steps")
+    # fields that may change when a run is resumed (they do not change the math of a step beyond rounding)
+    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp", "cpu_bf16", "compile",
+                 "accum_steps", "keep_checkpoints", "snapshot_every")
 
     def __post_init__(self):
         for name in ("batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
+        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) \
+                or self.keep_checkpoints < 0:
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints!r} must be an int >= 0 (0: keep none)")
+        if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool) or
+                                                not isinstance(self.snapshot_every, int) or self.snapshot_every < 1):
+            raise ValueError(f"snapshot_every={self.snapshot_every!r} must be an int >= 1 or None (= eval_every)")
         checks = [("lr_scale", self.lr_scale > 0, "> 0"), ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
                   ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("adam_eps", self.adam_eps > 0, "> 0"),
                   ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
@@ -295,6 +307,15 @@ class TrainResult:
     def tokens_per_second(self) -> float:
         "Training throughput: target tokens per second of training, evaluation time excluded."
         return self.tokens / max(self.train_seconds - self.eval_seconds, 1e-9)
+
+
+def cpu_has_bf16_units() -> bool:
+    "Whether this CPU multiplies bf16 matrices in hardware (Intel AMX), where bf16 autocast speeds training up."
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so asked for carefully
+    try:
+        return bool(probe()) if probe is not None else False
+    except Exception:
+        return False
 
 
 def world() -> tuple[int, int]:
@@ -417,7 +438,10 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     net = ddp or criterion
     if config.compile:
         net = torch.compile(net)
-    use_amp = config.amp and device.type == "cuda"
+    use_amp = (config.amp and device.type == "cuda") or (config.cpu_bf16 and device.type == "cpu")
+    if use_amp and device.type == "cpu" and not cpu_has_bf16_units():
+        warnings.warn("cpu_bf16=True on a CPU without bf16 matrix units (AMX): autocast may be slower than "
+                      "float32 here; set cpu_bf16=False (--no-cpu-bf16)", stacklevel=2)
     history: list[dict] = []
 
     def log(record: dict) -> None:
@@ -462,7 +486,7 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                     src, tgt = collate(train_examples, piece, device)
                     last = j == len(mine) - 1
                     with nullcontext() if ddp is None or last else ddp.no_sync():
-                        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_amp):
+                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
                             loss, nll = net(src, tgt)
                         (loss * (world_size / n)).backward()
                     sums[0] += loss.detach()
@@ -506,6 +530,11 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                                     tok_s=f"{rate_now:,.0f}", refresh=False)
                     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": now}
                 bar.update(1)
+                snapshot = at["step"] % (config.snapshot_every or config.eval_every) == 0 or done
+                if config.keep_checkpoints and snapshot and out is not None and rank == 0:
+                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model, progress={"step": at["step"]})
+                    for old in sorted(out.glob("step-*.pt"))[:-config.keep_checkpoints]:
+                        old.unlink()
                 if (at["step"] % config.eval_every == 0 or done) and stopped != "interrupted":
                     eval_start = time.perf_counter()
                     if rank == 0 and val_examples:
@@ -536,3 +565,27 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     return TrainResult(step=at["step"], epoch=at["epoch"], epochs=at["epoch"] + at["batch"] / len(steps),
                        stopped=stopped, train_seconds=at["seconds"],
                        eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history)
+
+# %% ../book/08_training.ipynb #c036b
+def average_checkpoints(paths) -> dict:
+    """The element-wise mean of the weights of several checkpoints of one model (the paper's section 6.1),
+    as a checkpoint dict that `model_from_checkpoint` and `save_checkpoint`'s readers accept."""
+    paths = [Path(p) for p in paths]
+    if not paths:
+        raise ValueError("average_checkpoints needs at least one checkpoint path")
+    first = load_checkpoint(paths[0])
+    config, weights = first["model_config"], strip_prefixes(first["model"])
+    total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
+    for path in paths[1:]:
+        state = load_checkpoint(path)
+        if state["model_config"] != config:
+            raise CheckpointError(f"{path} holds a different model than {paths[0]}; average checkpoints of one run")
+        other = strip_prefixes(state["model"])
+        if other.keys() != total.keys():
+            raise CheckpointError(f"{path} has other tensors than {paths[0]}; average checkpoints of one run")
+        for k, v in other.items():
+            if v.is_floating_point():
+                total[k] += v.double()
+    mean = {k: (v / len(paths)).to(weights[k].dtype) if v.is_floating_point() else v for k, v in total.items()}
+    return {"format": CHECKPOINT_FORMAT, "model_config": config, "model": mean,
+            "progress": {"averaged": [p.name for p in paths]}}
