@@ -199,3 +199,18 @@ def test_python_m_transformer_dispatches_bench(capsys):
         entry(["bench", "--help"])
     assert exc.value.code == 0
     assert "--preset" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("extras", [dict(), dict(attention_dropout=0.2, ffn_dropout=0.3)])
+def test_reference_drops_out_where_ours_does(extras):
+    "Dropout rates must match site by site, or the benchmark would time different work."
+    cfg = TransformerConfig.preset("tiny", src_vocab=50, tgt_vocab=50, dropout=0.1, **extras)
+    ours, ref = Transformer(cfg), TorchTransformer(cfg)
+    attn, ffn = extras.get("attention_dropout", 0.0), extras.get("ffn_dropout", 0.0)
+    for mine, theirs in [*zip(ours.encoder.layers, ref.core.encoder.layers),
+                         *zip(ours.decoder.layers, ref.core.decoder.layers)]:
+        assert mine.self_attn.dropout == theirs.self_attn.dropout == attn
+        assert mine.feed_forward.dropout.p == theirs.dropout.p == ffn
+        assert mine.dropout1.p == theirs.dropout1.p == 0.1
+        if hasattr(mine, "cross_attn"):
+            assert mine.cross_attn.dropout == theirs.multihead_attn.dropout == attn

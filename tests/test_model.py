@@ -172,13 +172,14 @@ def test_matches_torch_transformer(norm_first):
                  memory_key_padding_mask=src == PAD)
     want = m.generator(hidden)
     got = m(src, tgt)
-    assert (got - want).abs().max().item() < 1e-10
+    real = tgt != PAD      # padded target positions are unspecified (the causal flag in training, chapter 7)
+    assert (got - want)[real].abs().max().item() < 1e-10
     with torch.no_grad():                      # negative control: one changed weight is noticed
         ref.decoder.layers[-1].linear2.weight[0, 0] += 1e-3
     hidden = ref(m.pos(m.src_embed(src)), m.pos(m.tgt_embed(tgt)), tgt_mask=~causal_mask(T)[0, 0],
                  src_key_padding_mask=src == PAD, tgt_key_padding_mask=tgt == PAD,
                  memory_key_padding_mask=src == PAD)
-    assert (got - m.generator(hidden)).abs().max().item() > 1e-6
+    assert (got - m.generator(hidden))[real].abs().max().item() > 1e-6
 
 
 def test_forward_is_encode_then_decode():
@@ -187,7 +188,9 @@ def test_forward_is_encode_then_decode():
     from transformer.masking import padding_mask
     memory = m.encode(src)
     logits = m.generator(m.decode(tgt, memory, padding_mask(src)))
-    assert torch.equal(logits, m(src, tgt))
+    real = tgt != PAD      # forward uses the causal flag: the same at every real target position
+    assert torch.allclose(logits[real], m(src, tgt)[real], atol=1e-5)
+    assert not torch.allclose(logits, m(src, tgt), atol=1e-5)   # padded positions may differ, and here do
 
 
 # ---- invariances -----------------------------------------------------------------------------------
@@ -276,3 +279,31 @@ def test_bad_inputs(case):
     _, call, exc, match = case
     with pytest.raises(exc, match=match):
         call(tiny())
+
+
+# ---- the fast paths of forward: no source mask without padding, the causal flag ---------------------
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_forward_fast_paths_equal_the_explicit_masks(norm_first):
+    from transformer.masking import decoder_mask, padding_mask
+    m = tiny(norm_first=norm_first)
+    src, tgt = batch()
+    full = src.clone(); full[full == PAD] = 5                      # the same batch without source padding
+    assert m._source_mask(full) is None and m._source_mask(src) is not None
+    for s in (src, full):
+        explicit = m.generator(m.decode(tgt, m.encode(s, padding_mask(s)), padding_mask(s), decoder_mask(tgt)))
+        real = tgt != PAD
+        assert (m(s, tgt) - explicit)[real].abs().max() < 1e-10
+
+
+def test_forward_calls_the_decoder_with_the_causal_flag(monkeypatch):
+    m = tiny()
+    seen = []
+    original = m.decoder.layers[0].self_attn.forward
+    def spy(*args, **kwargs):
+        seen.append((args[3] if len(args) > 3 else kwargs.get("mask"), kwargs.get("is_causal")))
+        return original(*args, **kwargs)
+    monkeypatch.setattr(m.decoder.layers[0].self_attn, "forward", spy)
+    src, tgt = batch()
+    m(src, tgt)
+    assert seen == [(None, True)]            # no mask built: the kernel's causal path

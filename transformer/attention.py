@@ -68,19 +68,26 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
 
 # %% ../book/03_scaling.ipynb #c018
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                                 dropout_p: float = 0.0, need_weights: bool = False,
+                                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
     """Eq. (1) with the contract of `attention`, fast: PyTorch's fused `F.scaled_dot_product_attention`
     when the weights aren't needed, the teaching path `attention` when they are.
 
     mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is applied to the weights
     whenever it is > 0, so pass 0.0 in evaluation. Returns (output (..., T_q, d_v), weights (..., T_q, T_k)
-    or None). A query whose keys are all masked gets a zero output (and zero weights), never NaN."""
+    or None). A query whose keys are all masked gets a zero output (and zero weights), never NaN.
+    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast path never builds the mask."""
+    if is_causal:
+        if mask is not None:
+            raise ValueError("pass either a mask or is_causal=True, not both; combine them into one mask")
+        if need_weights:   # the teaching path needs the mask written out
+            mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device).tril()
     if need_weights:
         dropout = (lambda w: F.dropout(w, p=dropout_p)) if dropout_p > 0 else None
         return attention(query, key, value, mask, dropout)
     _check_attention_inputs(query, key, value, mask)
     if mask is None:                                             # the common case: nothing extra to do
-        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p), None
+        return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal), None
     blind = ~mask.any(dim=-1, keepdim=True)                      # (..., T_q, 1): True where a query sees no key
     # A blind row attends everywhere inside the kernel (no row of -inf ever reaches it), then its output is zeroed,
     # in place when autograd doesn't need the kernel's output (inference), which saves a copy.

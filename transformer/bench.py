@@ -51,6 +51,10 @@ class TorchTransformer(nn.Module):
                                                norm_first=c.norm_first)
         dec_layer = nn.TransformerDecoderLayer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True,
                                                norm_first=c.norm_first)
+        for layer in (enc_layer, dec_layer):  # dropout where ours has it; PyTorch's would drop everywhere
+            layer.dropout = nn.Dropout(c.ffn_dropout)      # the FFN's hidden units
+            layer.self_attn.dropout = c.attention_dropout  # the attention weights
+        dec_layer.multihead_attn.dropout = c.attention_dropout
         final_norm = (lambda: nn.LayerNorm(c.d_model)) if c.norm_first else (lambda: None)  # as ours: only pre-LN
         self.core = nn.Transformer(
             c.d_model, c.h, batch_first=True,
@@ -87,8 +91,15 @@ class TorchTransformer(nn.Module):
                                  tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=memory_pad)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        src_mask = padding_mask(src, self.config.pad_id)
-        return self.generator(self.decode(tgt_in, self.encode(src, src_mask), src_mask))
+        "As ours: no source mask for a batch without padding, the causal hint alone in the decoder."
+        pad = src == self.config.pad_id                                              # (B, S), True = pad
+        pad = pad if pad.any() else None
+        memory = self.core.encoder(self.pos(self.src_embed(src)), src_key_padding_mask=pad)
+        T = tgt_in.size(1)
+        future = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)
+        hidden = self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory, tgt_mask=future, tgt_is_causal=True,
+                                   memory_key_padding_mask=pad)
+        return self.generator(hidden)
 
 # %% ../book/09_results.ipynb #r008
 def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:

@@ -66,8 +66,8 @@ class DecoderLayer(nn.Module):
         self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
         self.norm_first = norm_first
 
-    def _sa(self, y, mask):
-        return self.dropout1(self.self_attn(y, y, y, mask)[0])
+    def _sa(self, y, mask, is_causal=False):
+        return self.dropout1(self.self_attn(y, y, y, mask, is_causal=is_causal)[0])
 
     def _ca(self, y, memory, mask):  # queries from the decoder, keys and values from the encoder
         return self.dropout2(self.cross_attn(y, memory, memory, mask)[0])
@@ -76,13 +76,15 @@ class DecoderLayer(nn.Module):
         return self.dropout3(self.feed_forward(y))
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
+                tgt_is_causal: bool = False) -> torch.Tensor:
+        "`tgt_is_causal=True` (with `tgt_mask=None`): the causal mask as a flag for the fast kernel."
         if self.norm_first:
-            y = y + self._sa(self.norm1(y), tgt_mask)
+            y = y + self._sa(self.norm1(y), tgt_mask, tgt_is_causal)
             y = y + self._ca(self.norm2(y), memory, memory_mask)
             y = y + self._ff(self.norm3(y))
         else:
-            y = self.norm1(y + self._sa(y, tgt_mask))
+            y = self.norm1(y + self._sa(y, tgt_mask, tgt_is_causal))
             y = self.norm2(y + self._ca(y, memory, memory_mask))
             y = self.norm3(y + self._ff(y))
         return y                                                     # (B, T_tgt, d_model)
@@ -127,11 +129,12 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None) -> torch.Tensor:
+                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
+                tgt_is_causal: bool = False) -> torch.Tensor:
         _check_seq(y, self.d_model, "y")
         _check_seq(memory, self.d_model, "memory")
         if memory.size(0) != y.size(0):
             raise ValueError(f"memory has batch size {memory.size(0)} but y has {y.size(0)}; they must match")
         for layer in self.layers:
-            y = layer(y, memory, tgt_mask, memory_mask)
+            y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal)
         return self.norm(y)                                          # (B, T_tgt, d_model)

@@ -5,6 +5,7 @@ __all__ = ['MultiHeadAttention']
 
 # %% ../book/04_heads.ipynb #c004
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import scaled_dot_product_attention
@@ -73,16 +74,29 @@ class MultiHeadAttention(nn.Module):
         B, T, _ = x.shape
         return x.reshape(B, T, self.h, self.d_k).transpose(1, 2)
 
+    def _project(self, x: Tensor, *linears: nn.Linear) -> list[Tensor]:
+        "Several projections of the same input as one matrix product (the weights stacked), split after."
+        if len(linears) == 1:
+            return [linears[0](x)]
+        weight = torch.cat([l.weight for l in linears])         # (k * d_model, d_model)
+        bias = None if any(l.bias is None for l in linears) else torch.cat([l.bias for l in linears])
+        return list(F.linear(x, weight, bias).chunk(len(linears), dim=-1))
+
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         self._check(query, key, value, mask)
         B, T_q, _ = query.shape
-        q = self._split(self.w_q(query))                        # (B, h, T_q, d_k)
-        k = self._split(self.w_k(key))                          # (B, h, T_k, d_k)
-        v = self._split(self.w_v(value))                        # (B, h, T_k, d_k)
+        if query is key and key is value:                       # self-attention: Q, K, V in one product
+            q, k, v = self._project(query, self.w_q, self.w_k, self.w_v)
+        elif key is value:                                      # cross-attention: K, V in one product
+            (q,), (k, v) = self._project(query, self.w_q), self._project(key, self.w_k, self.w_v)
+        else:
+            q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)
+        q, k, v = self._split(q), self._split(k), self._split(v)  # (B, h, T, d_k) each
         out, weights = scaled_dot_product_attention(
             q, k, v, mask, dropout_p=self.dropout if self.training else 0.0,
-            need_weights=need_weights or self.store_weights)    # (B, h, T_q, d_k), (B, h, T_q, T_k) or None
+            need_weights=need_weights or self.store_weights,
+            is_causal=is_causal)                                # (B, h, T_q, d_k), (B, h, T_q, T_k) or None
         if self.store_weights:
             self.last_weights = weights.detach()
         out = out.transpose(1, 2).reshape(B, T_q, self.d_model)  # concat the heads: (B, T_q, d_model)

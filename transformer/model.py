@@ -156,14 +156,21 @@ class Transformer(nn.Module):
         self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in")
         if src.size(0) != tgt_in.size(0):
             raise ValueError(f"src and tgt_in have different batch sizes: {src.size(0)} != {tgt_in.size(0)}")
-        src_mask = padding_mask(src, self.config.pad_id)              # (B, 1, 1, S)
+        src_mask = self._source_mask(src)                            # (B, 1, 1, S), or None: no padding
         memory = self._encode(src, src_mask)                         # (B, S, d_model)
-        hidden = self._decode(tgt_in, memory, src_mask, None)        # (B, T, d_model)
+        y = self.pos(self.tgt_embed(tgt_in))                         # (B, T, d_model)
+        hidden = self.decoder(y, memory, None, src_mask, tgt_is_causal=True)  # right padding: causal suffices
         return self.generator(hidden)                                # (B, T, tgt_vocab)
+
+    def _source_mask(self, src):
+        "The padding mask of `src`, or None when the batch has no padding (the kernel's fastest case)."
+        if torch.compiler.is_compiling() or (src == self.config.pad_id).any():
+            return padding_mask(src, self.config.pad_id)
+        return None
 
     def _encode(self, src, src_mask):                                # inputs already checked
         if src_mask is None:
-            src_mask = padding_mask(src, self.config.pad_id)          # (B, 1, 1, S)
+            src_mask = self._source_mask(src)                         # (B, 1, 1, S) or None
         x = self.pos(self.src_embed(src))                            # (B, S, d_model)
         return self.encoder(x, src_mask)                             # (B, S, d_model)
 
