@@ -148,7 +148,7 @@ def _device_name(device: torch.device) -> str:
 
 
 def _provenance() -> dict:
-    "Where a result comes from: the git commit of the code that ran, the machine, the software."
+    "Where a result comes from: the git commit of the code (call it when the run starts), the machine, the software."
     import transformer
     here = Path(transformer.__file__).resolve().parent
 
@@ -171,7 +171,7 @@ def _provenance() -> dict:
             "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
             "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
-            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -303,6 +303,7 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     elif rank == 0:
         _write_json(out / "config.json", run_config)
 
+    provenance = _provenance()               # now: the files may change while a long run goes on
     torch.manual_seed(args.seed)
     model = Transformer(model_config).to(device)
     examples = make_examples(tokenizer, train_pairs, model_config.max_len)
@@ -353,7 +354,8 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
                "preset": args.preset, "src": args.src, "tgt": args.tgt,
                "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
                "train_config": asdict(train_config),
-               "command": "python -m transformer " + " ".join(args.argv), **_provenance()}
+               "command": "python -m transformer " + " ".join(args.argv), **provenance,
+               "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_json(out / "results.json", results)
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min ({result.eval_seconds / 60:.1f} of them "
         f"validating), {result.tokens_per_second:,.0f} target tokens/s of training; best.pt from step {results['best_step']}")
