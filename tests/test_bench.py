@@ -153,6 +153,9 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
         assert key in result
     assert result["memory"]["train_peak_bytes"]["ours"] > 0 and result["flops"]["mfu"] is None
     assert len(result["decode"]["ours_cached_sentences_per_s"]) == 2 and result["decode"]["cached_median_ratio"] > 0
+    # EOS is forbidden while timing: every sentence runs to its limit, the same work for all three
+    gen = result["decode"]["generated_tokens"]
+    assert gen["ours"] == gen["nn"] == gen["ours cached"] > 0, gen
     assert result["torch_threads"] == 1 and torch.get_num_threads() == threads_before  # restored
 
 

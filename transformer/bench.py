@@ -364,14 +364,23 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         generated = {}
 
         def decode(name: str, i: int, cache: bool = False) -> float:
-            models[name].eval()
+            model = models[name].eval()
             src = decode_srcs[i]
             def run():
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = greedy_search(models[name], src, extra_len=DECODE_EXTRA, cache=cache)
+                    out = greedy_search(model, src, extra_len=DECODE_EXTRA, cache=cache)
                 key = name + (" cached" if cache else "")
                 generated[key] = generated.get(key, 0) + sum(len(ids) for ids in out)
-            return timed(run)
+            # An untrained model may say EOS at once and time nothing: forbid EOS, so every sentence runs to
+            # its length limit (source length + DECODE_EXTRA), the same work in both models and in every round.
+            eos_logit = model.generator.bias[EOS].item()
+            with torch.no_grad():
+                model.generator.bias[EOS] = -1e4
+            try:
+                return timed(run)
+            finally:
+                with torch.no_grad():
+                    model.generator.bias[EOS] = eos_logit
 
         log("bench: warm-up" + (" (torch.compile)" if compile else ""))
         for name in models:
