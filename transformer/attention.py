@@ -67,6 +67,9 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
     return weights @ value, weights                              # (..., T_q, d_v): weighted average of the values
 
 # %% ../book/03_scaling.ipynb #c018
+_LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                                  dropout_p: float = 0.0, need_weights: bool = False,
                                  is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -76,7 +79,9 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
     mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is applied to the weights
     whenever it is > 0, so pass 0.0 in evaluation. Returns (output (..., T_q, d_v), weights (..., T_q, T_k)
     or None). A query whose keys are all masked gets a zero output (and zero weights), never NaN.
-    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast path never builds the mask."""
+    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast path never builds the mask.
+    On CPU, bfloat16/float16 inputs (or autocast) go through the kernel in float32 and come back in the low precision:
+    PyTorch's low-precision CPU kernel is several times slower at our sizes (measured in chapter 3)."""
     if is_causal:
         if mask is not None:
             raise ValueError("pass either a mask or is_causal=True, not both; combine them into one mask")
@@ -86,6 +91,12 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor, mask
         dropout = (lambda w: F.dropout(w, p=dropout_p)) if dropout_p > 0 else None
         return attention(query, key, value, mask, dropout)
     _check_attention_inputs(query, key, value, mask)
+    if query.device.type == "cpu" and (query.dtype in _LOW_PRECISION or torch.is_autocast_enabled("cpu")):
+        low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+        with torch.autocast("cpu", enabled=False):               # float32 inside, whatever autocast says
+            out, _ = scaled_dot_product_attention(query.float(), key.float(), value.float(), mask, dropout_p,
+                                                  is_causal=is_causal)
+        return out.to(low), None
     if mask is None:                                             # the common case: nothing extra to do
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p, is_causal=is_causal), None
     blind = ~mask.any(dim=-1, keepdim=True)                      # (..., T_q, 1): True where a query sees no key

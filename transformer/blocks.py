@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .heads import MultiHeadAttention
 
 # %% auto #0
-__all__ = ['FeedForward', 'EncoderLayer', 'DecoderLayer', 'Encoder', 'Decoder']
+__all__ = ['FeedForward', 'dropout_mask', 'Dropout', 'EncoderLayer', 'DecoderLayer', 'Encoder', 'Decoder']
 
 # %% ../book/06_blocks.ipynb #c005
 class FeedForward(nn.Module):
@@ -24,6 +25,37 @@ class FeedForward(nn.Module):
         hidden = torch.relu(self.w_1(x))                             # (B, T, d_ff)
         return self.w_2(self.dropout(hidden))                        # (B, T, d_model)
 
+# %% ../book/06_blocks.ipynb #c015b
+def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The scaled keep-mask of dropout, shaped like `like`: 0 with probability p' = round(p * 2^15) / 2^15,
+    else 1 / (1 - p'). Four 15-bit uniform integers come from each 64-bit random draw."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability p={p} must be in [0, 1)")
+    n = like.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()   # uniform on [0, 2^63)
+    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF    # 4 per word, each uniform on [0, 2^15)
+    cut = round(p * 2**15)                                            # drop when draw < cut: P = cut / 2^15
+    return torch.where(draws >= cut, 2**15 / (2**15 - cut), 0.0).to(dtype or like.dtype)
+
+
+class Dropout(nn.Dropout):
+    """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p is rounded to a multiple
+    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices: PyTorch's fused dropout."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != "cpu":
+            return F.dropout(x, self.p, training=True)
+        return x * dropout_mask(x, self.p)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        "x + Dropout(y): the sub-layer output y, dropped out, added to the residual stream x."
+        if not self.training or self.p == 0:
+            return x + y
+        if y.device.type != "cpu":
+            return x + F.dropout(y, self.p, training=True)
+        return torch.addcmul(x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))
+
 # %% ../book/06_blocks.ipynb #c016
 class EncoderLayer(nn.Module):
     """Self-attention then FFN, each wrapped in dropout, a residual connection and LayerNorm.
@@ -35,22 +67,19 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
+        self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)   # dropout1.residual(x, y) = x + Dropout(y)
         self.norm_first = norm_first
 
-    def _sa(self, x, mask):  # self-attention sub-layer, with its residual dropout
-        return self.dropout1(self.self_attn(x, x, x, mask)[0])
-
-    def _ff(self, x):        # feed-forward sub-layer, with its residual dropout
-        return self.dropout2(self.feed_forward(x))
+    def _sa(self, x, mask):  # the self-attention sub-layer
+        return self.self_attn(x, x, x, mask)[0]
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.norm_first:                 # pre-LN: x + Sublayer(LayerNorm(x))
-            x = x + self._sa(self.norm1(x), mask)
-            x = x + self._ff(self.norm2(x))
-        else:                               # post-LN, the paper: LayerNorm(x + Sublayer(x))
-            x = self.norm1(x + self._sa(x, mask))
-            x = self.norm2(x + self._ff(x))
+        if self.norm_first:                 # pre-LN: x + Dropout(Sublayer(LayerNorm(x)))
+            x = self.dropout1.residual(x, self._sa(self.norm1(x), mask))
+            x = self.dropout2.residual(x, self.feed_forward(self.norm2(x)))
+        else:                               # post-LN, the paper: LayerNorm(x + Dropout(Sublayer(x)))
+            x = self.norm1(self.dropout1.residual(x, self._sa(x, mask)))
+            x = self.norm2(self.dropout2.residual(x, self.feed_forward(x)))
         return x                                                     # (B, T, d_model)
 
 # %% ../book/06_blocks.ipynb #c020
@@ -63,30 +92,27 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(d_model) for _ in range(3))
-        self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
+        self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout) for _ in range(3))
         self.norm_first = norm_first
 
     def _sa(self, y, mask, is_causal=False):
-        return self.dropout1(self.self_attn(y, y, y, mask, is_causal=is_causal)[0])
+        return self.self_attn(y, y, y, mask, is_causal=is_causal)[0]
 
     def _ca(self, y, memory, mask):  # queries from the decoder, keys and values from the encoder
-        return self.dropout2(self.cross_attn(y, memory, memory, mask)[0])
-
-    def _ff(self, y):
-        return self.dropout3(self.feed_forward(y))
+        return self.cross_attn(y, memory, memory, mask)[0]
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
                 tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False) -> torch.Tensor:
         "`tgt_is_causal=True` (with `tgt_mask=None`): the causal mask as a flag for the fast kernel."
         if self.norm_first:
-            y = y + self._sa(self.norm1(y), tgt_mask, tgt_is_causal)
-            y = y + self._ca(self.norm2(y), memory, memory_mask)
-            y = y + self._ff(self.norm3(y))
+            y = self.dropout1.residual(y, self._sa(self.norm1(y), tgt_mask, tgt_is_causal))
+            y = self.dropout2.residual(y, self._ca(self.norm2(y), memory, memory_mask))
+            y = self.dropout3.residual(y, self.feed_forward(self.norm3(y)))
         else:
-            y = self.norm1(y + self._sa(y, tgt_mask, tgt_is_causal))
-            y = self.norm2(y + self._ca(y, memory, memory_mask))
-            y = self.norm3(y + self._ff(y))
+            y = self.norm1(self.dropout1.residual(y, self._sa(y, tgt_mask, tgt_is_causal)))
+            y = self.norm2(self.dropout2.residual(y, self._ca(y, memory, memory_mask)))
+            y = self.norm3(self.dropout3.residual(y, self.feed_forward(y)))
         return y                                                     # (B, T_tgt, d_model)
 
 # %% ../book/06_blocks.ipynb #c022

@@ -10,7 +10,7 @@ from torch import nn
 
 from .tokens import PAD, Embeddings
 from .positions import PositionalEncoding
-from .blocks import Encoder, Decoder
+from .blocks import Decoder, Dropout, Encoder
 from .masking import padding_mask, decoder_mask
 
 # %% auto #0
@@ -93,6 +93,7 @@ class Transformer(nn.Module):
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)  # no weights: shared by both sides
+        self.pos.dropout = Dropout(c.dropout)                        # chapter 6's dropout, cheaper on CPU
         extras = dict(attention_dropout=c.attention_dropout, ffn_dropout=c.ffn_dropout)
         self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
         self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
@@ -152,6 +153,11 @@ class Transformer(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         "Teacher-forced pass: source ids (B, S), shifted target ids (B, T) -> logits (B, T, tgt_vocab)."
+        return self.generator(self.features(src, tgt_in))            # (B, T, tgt_vocab)
+
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        """`forward` without the generator: the decoder's output (B, T, d_model), for a loss that needs the
+        logits of the real (non-pad) positions only."""
         self._check_ids(src, self.config.src_vocab, "src")
         self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in")
         if src.size(0) != tgt_in.size(0):
@@ -159,8 +165,7 @@ class Transformer(nn.Module):
         src_mask = self._source_mask(src)                            # (B, 1, 1, S), or None: no padding
         memory = self._encode(src, src_mask)                         # (B, S, d_model)
         y = self.pos(self.tgt_embed(tgt_in))                         # (B, T, d_model)
-        hidden = self.decoder(y, memory, None, src_mask, tgt_is_causal=True)  # right padding: causal suffices
-        return self.generator(hidden)                                # (B, T, tgt_vocab)
+        return self.decoder(y, memory, None, src_mask, tgt_is_causal=True)  # right padding: causal suffices
 
     def _source_mask(self, src):
         "The padding mask of `src`, or None when the batch has no padding (the kernel's fastest case)."

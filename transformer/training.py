@@ -23,15 +23,15 @@ from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 from .tokens import PAD, BOS, EOS, Tokenizer, token_batches, pad_batch
-from .masking import padding_mask, causal_mask, teacher_forcing
+from .masking import teacher_forcing
 from .model import Transformer, TransformerConfig
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer',
-           'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'CheckpointError',
-           'save_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_from_checkpoint', 'TrainConfig',
-           'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world', 'init_distributed', 'evaluate_loss', 'train',
-           'average_checkpoints']
+__all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'fused_smoothed_cross_entropy',
+           'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples',
+           'Seq2SeqLoss', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'strip_prefixes',
+           'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world',
+           'init_distributed', 'evaluate_loss', 'train', 'average_checkpoints']
 
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -57,6 +57,50 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
                          f"{tuple(target.shape)}; expected logits of shape target.shape + (V,)")
     keep = target != pad_id                                   # (...) True on real tokens
     return smoothed_cross_entropy(logits[keep], target[keep], epsilon)  # only the n real positions
+
+# %% ../book/08_training.ipynb #c010b
+class _FusedSmoothedCrossEntropy(torch.autograd.Function):
+    "Label-smoothed cross-entropy with the gradient computed blockwise in the forward pass."
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, rows):
+        n, V = logits.shape
+        acc = torch.promote_types(logits.dtype, torch.float32)         # float32 at least, as the teaching path
+        grad = torch.empty_like(logits)                                # dL/dz = p - q, in the logits' dtype
+        loss = torch.zeros((), dtype=acc, device=logits.device)
+        nll = torch.zeros((), dtype=acc, device=logits.device)
+        for i in range(0, n, rows):                                    # a block of rows stays in the cache
+            logp = logits[i:i + rows].to(acc).log_softmax(-1)          # (r, V)
+            t = target[i:i + rows, None]                               # (r, 1)
+            block_nll = -logp.gather(-1, t).sum()
+            nll += block_nll
+            loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
+            p_minus_q = logp.exp_().sub_(epsilon / V)                  # p - eps/V, in place of logp
+            p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
+            grad[i:i + rows] = p_minus_q
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(nll)
+        ctx.used = False
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        if ctx.used:
+            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice (retain_graph=True); "
+                               "use smoothed_cross_entropy for that")
+        ctx.used = True
+        grad, = ctx.saved_tensors
+        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None
+
+
+def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same gradient for the loss, computed
+    blockwise in the forward pass. The NLL carries no gradient (it is for reporting); one backward pass only."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
+        return smoothed_cross_entropy(logits, target, epsilon)
+    rows = max(1, 2**20 // logits.size(-1))                            # about 4 MB of float32 per block
+    return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
 
 # %% ../book/08_training.ipynb #c012
 def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> float:
@@ -130,15 +174,11 @@ class Seq2SeqLoss(nn.Module):
         self.model, self.epsilon = model, epsilon
 
     def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        pad = self.model.config.pad_id
         tgt_in, tgt_out = teacher_forcing(tgt)                           # (B, T-1) each
-        src_mask = padding_mask(src, pad)                                # (B, 1, 1, S)
-        memory = self.model.encode(src, src_mask)                        # (B, S, d_model)
-        tgt_mask = causal_mask(tgt_in.size(1), device=tgt_in.device)     # (1, 1, T-1, T-1)
-        hidden = self.model.decode(tgt_in, memory, src_mask, tgt_mask)   # (B, T-1, d_model)
-        keep = tgt_out != pad                                            # (B, T-1)
+        hidden = self.model.features(src, tgt_in)                        # (B, T-1, d_model)
+        keep = tgt_out != self.model.config.pad_id                       # (B, T-1)
         logits = self.model.generator(hidden[keep])                      # (n, V)
-        return smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
+        return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
 
 # %% ../book/08_training.ipynb #c026
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
