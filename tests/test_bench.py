@@ -114,9 +114,9 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     decoded = {"Transformer": [], "TorchTransformer": []}
     real_step, real_search = bench.train_step, bench.greedy_search
 
-    def recording_step(model, optimizer, src, tgt, autocast=False):
+    def recording_step(model, optimizer, src, tgt, autocast=False, criterion=None):
         seen[type(model).__name__].append((src.clone(), tgt.clone()))
-        return real_step(model, optimizer, src, tgt, autocast)
+        return real_step(model, optimizer, src, tgt, autocast, criterion)
 
     def recording_search(model, src, **kwargs):
         decoded[type(model).__name__].append((src.clone(), kwargs.get("cache", True)))
@@ -150,14 +150,14 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     assert len(result["train"]["ours_tokens_per_s"]) == len(result["train"]["nn_tokens_per_s"]) == 2
     assert result["data"]["max_tokens"] == 400 and result["preset"] == "tiny"
     assert result["command"].startswith("python -m transformer bench") and "--json" in result["command"]
-    for key in ("git_commit", "torch", "device_name", "torch_threads"):
+    for key in ("git_commit", "git_dirty", "torch", "device_name", "threads", "started_utc"):
         assert key in result
     assert result["memory"]["train_peak_bytes"]["ours"] > 0 and result["flops"]["mfu"] is None
     assert len(result["decode"]["ours_cached_sentences_per_s"]) == 2 and result["decode"]["cached_median_ratio"] > 0
     # EOS is forbidden while timing: every sentence runs to its limit, the same work for all three
     gen = result["decode"]["generated_tokens"]
     assert gen["ours"] == gen["nn"] == gen["ours cached"] > 0, gen
-    assert result["torch_threads"] == 1 and torch.get_num_threads() == threads_before  # restored
+    assert result["threads"] == 1 and torch.get_num_threads() == threads_before  # restored
 
 
 def test_bench_writes_json_file(tmp_path, capsys):

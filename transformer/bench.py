@@ -8,9 +8,7 @@ import contextlib
 import json
 import math
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -18,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .data import load_multi30k
@@ -27,6 +24,8 @@ from .positions import PositionalEncoding
 from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
+from .training import Seq2SeqLoss, cpu_has_bf16_units
+from .cli import _provenance
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a prototype: not our concern
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -69,7 +68,17 @@ class TorchTransformer(nn.Module):
 
     def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         pad = (src == self.config.pad_id) if src_mask is None else ~src_mask[:, 0, 0, :]  # (B, S), True = pad
-        return self.core.encoder(self.pos(self.src_embed(src)), src_key_padding_mask=pad)
+        x = self.pos(self.src_embed(src))
+        if not (src.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
+            return self.core.encoder(x, src_key_padding_mask=pad)
+        # PyTorch's inference fast path of the encoder layer fails under CPU autocast (torch 2.13: "expected
+        # scalar type Float but found BFloat16"); the regular path is the same function
+        fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            return self.core.encoder(x, src_key_padding_mask=pad)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(fastpath)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,15 +100,17 @@ class TorchTransformer(nn.Module):
                                  tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=memory_pad)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+        return self.generator(self.features(src, tgt_in))
+
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         "As ours: no source mask for a batch without padding, the causal hint alone in the decoder."
         pad = src == self.config.pad_id                                              # (B, S), True = pad
         pad = pad if pad.any() else None
         memory = self.core.encoder(self.pos(self.src_embed(src)), src_key_padding_mask=pad)
         T = tgt_in.size(1)
         future = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)
-        hidden = self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory, tgt_mask=future, tgt_is_causal=True,
-                                   memory_key_padding_mask=pad)
-        return self.generator(hidden)
+        return self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory, tgt_mask=future, tgt_is_causal=True,
+                                 memory_key_padding_mask=pad)
 
 # %% ../book/09_results.ipynb #r008
 def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:
@@ -166,17 +177,18 @@ def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 800
 
 # %% ../book/09_results.ipynb #r015
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: torch.Tensor, tgt: torch.Tensor,
-               autocast: bool = False) -> torch.Tensor:
-    "One optimizer step of teacher forcing with label smoothing 0.1: forward, backward, Adam. Returns the loss."
-    tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]                        # (B, T-1) each
+               autocast: bool = False, criterion: nn.Module | None = None) -> torch.Tensor:
+    """One optimizer step as `train` takes it: chapter 8's `Seq2SeqLoss` (the teacher-forced `features`, the
+    generator on the real target tokens, the fused label-smoothed loss, epsilon 0.1), divided by the number of
+    target tokens, backward, Adam. `criterion`: that loss around `model`, e.g. compiled. Returns the mean loss."""
+    criterion = criterion if criterion is not None else Seq2SeqLoss(model, 0.1)
+    n_tokens = int((tgt[:, 1:] != PAD).sum())
     with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=autocast):
-        logits = model(src, tgt_in)                                   # (B, T-1, V)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
-                           label_smoothing=0.1)
-    loss.backward()
+        loss, _ = criterion(src, tgt)
+    (loss / n_tokens).backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return loss.detach() / n_tokens
 
 # %% ../book/09_results.ipynb #r019
 def train_flops(config: TransformerConfig, B: int, S: int, T: int) -> float:
@@ -244,39 +256,13 @@ def peak_memory(fn, device: torch.device) -> int:
     return peak
 
 # %% ../book/09_results.ipynb #r026
-def _git_commit() -> str | None:
-    "The commit of the checkout this package runs from (with '+dirty' when files differ), or None outside git."
-    import transformer
-    root = Path(transformer.__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                                timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def environment(device: torch.device) -> dict:
-    "Where a benchmark ran: enough to tell two results apart."
-    return {"git_commit": _git_commit(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "device": device.type, "device_name": _device_name(device),
-            "torch_threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
-            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    """Where a benchmark ran: the provenance `train` records (chapter 8d: git commit and dirty flag, CPU, cores,
+    threads, GPU, Python, torch, platform, start time), the device, and the machine's load when it started."""
+    where = _provenance()
+    return {**where, "device": device.type,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else where["cpu"],
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -304,8 +290,9 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
     """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same batches) in one
     process: `repeats` rounds, each one training pass over the batches and one greedy decode per model,
     in alternating order (both re-run the decoder on the whole prefix; ours is also timed with chapter 8's
-    key/value cache, which `nn.Transformer` lacks, and reported apart). `bf16=None` means bf16 autocast on CUDA, float32 on CPU. `threads` sets
-    `torch.set_num_threads` for the run (restored afterwards).
+    key/value cache, which `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
+    uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units (`cpu_has_bf16_units`), float32 on other
+    CPUs. `threads` sets `torch.set_num_threads` for the run (restored afterwards).
     Returns a JSON-ready dict; `speedup_vs_nn` is the median training ratio."""
     for name, value in (("repeats", repeats), ("n_batches", n_batches), ("decode_sentences", decode_sentences)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -318,7 +305,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         started = time.perf_counter()
         dev = resolve_device(device)
         cuda = dev.type == "cuda"
-        autocast = cuda if bf16 is None else bool(bf16)
+        autocast = (cuda or cpu_has_bf16_units()) if bf16 is None else bool(bf16)
         if cuda:  # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast for the rest
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
@@ -343,7 +330,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         models = {"ours": ours.to(dev), "nn": copy_weights(ours, TorchTransformer(config)).to(dev)}
         optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=cuda or None)
                       for k, m in models.items()}
-        forward = {k: (torch.compile(m) if compile else m) for k, m in models.items()}
+        losses = {k: Seq2SeqLoss(m, 0.1) for k, m in models.items()}
+        losses = {k: (torch.compile(c) if compile else c) for k, c in losses.items()}
 
         def sync():
             if cuda:
@@ -359,7 +347,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         def step(name: str, i: int) -> float:
             models[name].train()
             src, tgt = batches[i]
-            return timed(lambda: train_step(forward[name], optimizers[name], src, tgt, autocast=autocast))
+            return timed(lambda: train_step(models[name], optimizers[name], src, tgt, autocast, losses[name]))
 
         generated = {}
 
@@ -416,7 +404,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         mem_train, mem_decode = {}, {}
         for name, model in models.items():
             model.train()
-            mem_train[name] = peak_memory(lambda: train_step(forward[name], optimizers[name], *biggest, autocast=autocast), dev)
+            mem_train[name] = peak_memory(lambda: train_step(model, optimizers[name], *biggest, autocast, losses[name]), dev)
             model.eval()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
                 mem_decode[name] = peak_memory(lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA,
@@ -468,7 +456,7 @@ def format_table(result: dict) -> str:
     c = result["config"]
     lines = [
         f"preset {result['preset']} (d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, N={c['n_layers']}, "
-        f"vocab={c['src_vocab']}) on {result['device']} ({result['device_name']}, {result['torch_threads']} threads), "
+        f"vocab={c['src_vocab']}) on {result['device']} ({result['device_name']}, {result['threads']} threads), "
         f"torch {result['torch']}" + (", torch.compile" if result["compile"] else "")
         + (", bf16 autocast" if result["bf16_autocast"] else "") + (", TF32" if result["tf32"] else ""),
         f"{len(result['data']['batch_shapes'])} Multi30k batches of <= {result['data']['max_tokens']} slots, "
