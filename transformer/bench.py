@@ -25,7 +25,7 @@ from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
 from .training import Seq2SeqLoss, cpu_has_bf16_units
-from .cli import _provenance
+from .cli import _provenance, keep_freed_memory
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a prototype: not our concern
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
@@ -313,6 +313,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
+        env["keep_freed_memory"] = (not cuda) and keep_freed_memory()  # as `train` does on CPU (chapter 8d)
 
         log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import platform
@@ -26,7 +27,8 @@ from .evaluation import bleu_callback, evaluate
 from .decoding import translate
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'CLIError', 'build_parser', 'load_run', 'cmd_train', 'cmd_translate', 'cmd_evaluate', 'main']
+__all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'CLIError', 'build_parser', 'keep_freed_memory', 'load_run',
+           'cmd_train', 'cmd_translate', 'cmd_evaluate', 'main']
 
 # %% ../book/08d_commands.ipynb #c005
 VOCAB_SIZE = 8000  # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -138,6 +140,20 @@ def _device(name: str) -> torch.device:
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return freed memory to the
+    operating system, so that the tensors of one training step reuse the pages of the last one. Process-wide;
+    returns False where it does not apply (not glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
 
 
 def _device_name(device: torch.device) -> str:
@@ -254,6 +270,8 @@ def cmd_train(args) -> int:
     device = _device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if device.type == "cpu":
+        keep_freed_memory()                  # see "Shared helpers": the next step reuses this step's pages
     rank, world_size, local_rank = init_distributed(device.type)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
