@@ -200,3 +200,30 @@ def test_fast_path_under_inference_mode_matches():
         out, _ = scaled_dot_product_attention(q, k, v, mask)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-12)
     assert (out[:, :, 1] == 0).all()
+
+
+# --- chapter 3: on CPU, low precision goes through the kernel in float32 ----------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_cpu_attention_runs_in_float32(dtype, causal):
+    q, k, v = (t.to(dtype) for t in qkv(T_q=6, T_k=6, d_v=8))
+    mask = None if causal else torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.4
+    out, w = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)
+    want, _ = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, is_causal=causal)
+    assert out.dtype == dtype and w is None
+    assert torch.equal(out, want.float().to(dtype)) or (out.double() - want).abs().max() < 1e-2
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    scaled_dot_product_attention(*leaves, mask, is_causal=causal)[0].float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)
+
+
+def test_autocast_cpu_attention_is_computed_in_float32():
+    "Under CPU autocast float32 inputs would be cast to bf16 by PyTorch; ours keeps them, returns autocast's dtype."
+    q, k, v = (t.float() for t in qkv(T_q=6, T_k=6, d_v=8))
+    exact, _ = scaled_dot_product_attention(q.double(), k.double(), v.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = scaled_dot_product_attention(q, k, v)
+        theirs = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == theirs.dtype == torch.bfloat16
+    assert (out.double() - exact).abs().max() <= 2**-7 * exact.abs().max()               # one bf16 rounding

@@ -6,6 +6,8 @@ import re
 
 import pytest
 import torch
+
+from transformer.training import cpu_has_bf16_units
 from torch.utils.flop_counter import FlopCounterMode
 
 from transformer import bench
@@ -157,6 +159,8 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     # EOS is forbidden while timing: every sentence runs to its limit, the same work for all three
     gen = result["decode"]["generated_tokens"]
     assert gen["ours"] == gen["nn"] == gen["ours cached"] > 0, gen
+    assert result["bf16_autocast"] == cpu_has_bf16_units()           # the default: training's precision here
+    assert result["keep_freed_memory"] in (True, False)
     assert result["threads"] == 1 and torch.get_num_threads() == threads_before  # restored
 
 

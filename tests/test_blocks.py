@@ -182,3 +182,86 @@ def test_dropout_is_active_in_training_only():
 def test_bad_inputs(call, exc, match):
     with pytest.raises(exc, match=match):
         call()
+
+
+# --- chapter 6's dropout: a cheaper CPU mask, fused with the residual addition ---------------------------------
+
+from transformer.blocks import Dropout, dropout_mask
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_mask_drops_the_rounded_p_and_keeps_the_mean(p):
+    torch.manual_seed(0)
+    m = dropout_mask(torch.empty(2000, 1000, dtype=torch.float64), p)
+    p_rounded = round(p * 2**15) / 2**15
+    share = (m == 0).double().mean().item()
+    assert abs(share - p_rounded) < 5 * (p_rounded * (1 - p_rounded) / m.numel()) ** 0.5
+    assert set(m.unique().tolist()) == {0.0, 1 / (1 - p_rounded)}
+    assert abs(m.mean().item() - 1) < 0.005
+
+
+def test_dropout_mask_odd_sizes_dtype_and_bad_p():
+    for shape in [(1,), (3, 5), (7, 1, 3)]:                      # not a multiple of 4 entries
+        m = dropout_mask(torch.empty(shape), 0.5, torch.bfloat16)
+        assert m.shape == shape and m.dtype == torch.bfloat16
+    for p in (-0.1, 1.0):
+        with pytest.raises(ValueError, match=r"dropout probability p=.* must be in \[0, 1\)"):
+            dropout_mask(torch.empty(3), p)
+
+
+def test_dropout_masks_are_independent_across_positions():
+    "Neighbouring entries come from the same 64-bit draw: they must still be uncorrelated."
+    torch.manual_seed(1)
+    m = (dropout_mask(torch.empty(400_000, dtype=torch.float64), 0.5) > 0).double()
+    for lag in (1, 2, 3, 4):
+        corr = torch.corrcoef(torch.stack([m[:-lag], m[lag:]]))[0, 1].item()
+        assert abs(corr) < 0.01, (lag, corr)
+
+
+def test_dropout_module_forward_gradient_residual_and_eval():
+    drop = Dropout(0.2).train()
+    x = torch.randn(300, 200, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(300, 200, dtype=torch.float64, requires_grad=True)
+    torch.manual_seed(5)
+    out = drop(x)
+    torch.manual_seed(5)
+    mask = dropout_mask(x, 0.2)
+    assert torch.equal(out, x * mask)
+    out.sum().backward()
+    assert torch.equal(x.grad, mask)
+    x.grad = None
+    torch.manual_seed(6)
+    fused = drop.residual(x, y)
+    torch.manual_seed(6)
+    assert torch.allclose(fused, x + drop(y), atol=1e-12)
+    fused.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))               # the residual path passes the gradient through
+    torch.manual_seed(6)
+    assert torch.equal(y.grad, dropout_mask(y, 0.2))
+    drop.eval()
+    assert drop(x) is x and torch.equal(drop.residual(x, y), x + y)
+    assert torch.equal(Dropout(0.0).train().residual(x, y), x + y)
+
+
+def test_dropout_residual_mixed_precision_keeps_the_stream_dtype():
+    "Under autocast the stream is float32 and the sub-layer output bf16: the mask is float32, the result too."
+    drop = Dropout(0.1).train()
+    x, y = torch.randn(64, 32), torch.randn(64, 32).to(torch.bfloat16)
+    out = drop.residual(x, y)
+    assert out.dtype == torch.float32
+    kept = (out - x).abs() > 0
+    assert torch.allclose((out - x)[kept], y.float()[kept] * (1 / (1 - round(0.1 * 2**15) / 2**15)), rtol=1e-5, atol=1e-6)
+
+
+def test_layers_use_the_fused_residual_dropout():
+    "In training the layer's output is random (dropout), and reproducible from the seed; in eval it is not."
+    for layer, args in ((EncoderLayer(D, H, D_FF, dropout=0.3, norm_first=True), (torch.randn(2, 5, D),)),
+                        (DecoderLayer(D, H, D_FF, dropout=0.3), (torch.randn(2, 5, D), torch.randn(2, 4, D)))):
+        assert all(isinstance(getattr(layer, f"dropout{k}"), Dropout) for k in (1, 2))
+        layer.train()
+        torch.manual_seed(0); a = layer(*args)
+        torch.manual_seed(0); b = layer(*args)
+        torch.manual_seed(1); c = layer(*args)
+        assert torch.equal(a, b) and not torch.equal(a, c)
+        layer.eval()
+        assert torch.equal(layer(*args), layer(*args))

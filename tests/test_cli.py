@@ -223,3 +223,9 @@ def test_python_dash_m_runs_main():
     bad = subprocess.run([sys.executable, "-m", "transformer", "train", "--preset", "huge"], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
+
+
+def test_keep_freed_memory_applies_on_glibc():
+    import platform
+    from transformer.cli import keep_freed_memory
+    assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")

@@ -307,3 +307,14 @@ def test_forward_calls_the_decoder_with_the_causal_flag(monkeypatch):
     src, tgt = batch()
     m(src, tgt)
     assert seen == [(None, True)]            # no mask built: the kernel's causal path
+
+
+def test_features_is_forward_without_the_generator():
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=16, d_ff=32, h=2, n_layers=1,
+                                          dropout=0.0)).double().eval()
+    src, tgt_in = torch.randint(4, 20, (3, 6)), torch.randint(4, 20, (3, 5))
+    src[1, 4:] = 0
+    assert torch.equal(model(src, tgt_in), model.generator(model.features(src, tgt_in)))
+    with pytest.raises(ValueError, match="different batch sizes"):
+        model.features(src, tgt_in[:2])

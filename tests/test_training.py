@@ -453,3 +453,70 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
         losses[bf16] = [r["loss"] for r in result.history if r["kind"] == "train"]
     assert losses[True] != losses[False]
     assert all(abs(a - b) < 0.05 * a for a, b in zip(losses[True], losses[False])), losses
+
+
+# --- the fused loss (chapter 8.1's fast path) and Seq2SeqLoss on the model's fast paths ---------------------------
+
+from transformer.masking import padding_mask
+from transformer.training import fused_smoothed_cross_entropy, smoothed_cross_entropy
+
+
+@pytest.mark.parametrize("n,V", [(1, 5), (7, 300), (1100, 2000)])      # one block, one block, several blocks
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_fused_loss_equals_the_teaching_path(n, V, eps):
+    g = torch.Generator().manual_seed(n + V)
+    logits = 3 * torch.randn(n, V, generator=g, dtype=torch.float64)
+    target = torch.randint(0, V, (n,), generator=g)
+    results = []
+    for fn in (smoothed_cross_entropy, fused_smoothed_cross_entropy):
+        leaf = logits.clone().requires_grad_(True)
+        loss, nll = fn(leaf, target, eps)
+        (0.37 * loss).backward()
+        results.append((loss.detach(), nll.detach(), leaf.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-14)
+
+
+def test_fused_loss_bf16_gradient_dtype_and_no_grad_fallback():
+    logits = torch.randn(50, 40).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, 40, (50,))
+    loss, nll = fused_smoothed_cross_entropy(logits, target)
+    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    with torch.no_grad():                                               # evaluation: the teaching path, same numbers
+        a = fused_smoothed_cross_entropy(logits, target)
+    b = smoothed_cross_entropy(logits.detach(), target)
+    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
+
+
+def test_fused_loss_refuses_a_second_backward():
+    logits = torch.randn(4, 9, requires_grad=True)
+    loss, _ = fused_smoothed_cross_entropy(logits, torch.tensor([1, 2, 3, 4]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+def test_seq2seq_loss_equals_the_explicit_masked_path():
+    "Seq2SeqLoss (features: causal flag, no mask without padding; fused loss) = masks written out + teaching loss."
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).double().eval()
+    for examples in (copy_examples(6, seed=1), copy_examples(6, lo=5, hi=5, seed=2)):   # padded; no padding
+        src, tgt = collate(examples, list(range(len(examples))))
+        leaves = []
+        for explicit in (False, True):
+            model.zero_grad()
+            if explicit:
+                tgt_in, tgt_out = tgt[:, :-1], tgt[:, 1:]
+                src_mask = padding_mask(src, PAD)
+                hidden = model.decode(tgt_in, model.encode(src, src_mask), src_mask)   # masks built
+                keep = tgt_out != PAD
+                loss, nll = smoothed_cross_entropy(model.generator(hidden[keep]), tgt_out[keep])
+            else:
+                loss, nll = Seq2SeqLoss(model)(src, tgt)
+            loss.backward()
+            leaves.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+        (l1, n1, g1), (l2, n2, g2) = leaves
+        assert torch.allclose(l1, l2, rtol=1e-12) and torch.allclose(n1, n2, rtol=1e-12)
+        assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(g1, g2))

@@ -35,7 +35,8 @@ def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()   # uniform on [0, 2^63)
     draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF    # 4 per word, each uniform on [0, 2^15)
     cut = round(p * 2**15)                                            # drop when draw < cut: P = cut / 2^15
-    return torch.where(draws >= cut, 2**15 / (2**15 - cut), 0.0).to(dtype or like.dtype)
+    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype, device=like.device)
+    return torch.where(draws >= cut, scale, scale.new_zeros(()))   # 1/(1 - p') or 0, in the dtype asked for
 
 
 class Dropout(nn.Dropout):
