@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensor
 
 # one thread: on a busy two-core machine two OpenMP threads wait on each other (slow, not wrong)
 SMALL_RUN = ["--preset", "tiny", "--device", "cpu", "--repeats", "2", "--batches", "2", "--max-tokens", "400",
-             "--decode-sentences", "4", "--vocab-size", "500", "--threads", "1"]
+             "--decode-sentences", "4", "--vocab-size", "500", "--threads", "1", "--warmup", "1"]
 
 
 def _pair(norm_first=False, vocab=120):
@@ -136,7 +136,7 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
 
     # both models saw the same batches, in the same number, and decoded the same sources
     a, b = seen["Transformer"], seen["TorchTransformer"]
-    assert len(a) == len(b) == 1 + 2 * 2 + 1          # warm-up, 2 rounds x 2 batches, the memory probe
+    assert len(a) == len(b) == 1 * 2 + 2 * 2 + 1      # warm-up pass over 2 batches, 2 rounds x 2 batches, memory
     assert all(torch.equal(x[0], y[0]) and torch.equal(x[1], y[1]) for x, y in zip(a, b))
     assert len({tuple(x[0].shape) for x in a}) >= 1 and all(x[0].dim() == 2 for x in a)
     da = [x for x, cache in decoded["Transformer"] if not cache]       # the comparison: no cache for either
@@ -177,6 +177,7 @@ def test_bench_writes_json_file(tmp_path, capsys):
     (["--batches", "-1"], r"--batches=-1 must be >= 1"),
     (["--max-tokens", "0"], r"--max-tokens=0 must be >= 1"),
     (["--threads", "0"], r"--threads=0 must be >= 1"),
+    (["--warmup", "-1"], r"--warmup=-1 must be >= 0"),
     (["--preset", "huge"], r"invalid choice: 'huge'"),
     (["--device", "tpu"], r"invalid choice: 'tpu'"),
 ])

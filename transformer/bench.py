@@ -286,17 +286,21 @@ def _median(xs: list[float]) -> float:
 def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_batches: int = 2,
               max_tokens: int | None = None, vocab_size: int = 8000, decode_sentences: int = 32,
               compile: bool = False, threads: int | None = None, peak_tflops: float | None = None,
-              bf16: bool | None = None, seed: int = 0, log=None) -> dict:
+              bf16: bool | None = None, seed: int = 0, log=None, warmup: int = 2, keep_memory: bool = True) -> dict:
     """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same batches) in one
     process: `repeats` rounds, each one training pass over the batches and one greedy decode per model,
     in alternating order (both re-run the decoder on the whole prefix; ours is also timed with chapter 8's
     key/value cache, which `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
     uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units (`cpu_has_bf16_units`), float32 on other
-    CPUs. `threads` sets `torch.set_num_threads` for the run (restored afterwards).
+    CPUs. `threads` sets `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
+    batches per model come first, untimed, so that both are measured in their steady state. `keep_memory`: on CPU,
+    call chapter 8d's `keep_freed_memory` as `train` does (process-wide: it stays on after the call).
     Returns a JSON-ready dict; `speedup_vs_nn` is the median training ratio."""
     for name, value in (("repeats", repeats), ("n_batches", n_batches), ("decode_sentences", decode_sentences)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0")
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     threads_before = torch.get_num_threads()
     if threads is not None:
@@ -313,7 +317,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
-        env["keep_freed_memory"] = (not cuda) and keep_freed_memory()  # as `train` does on CPU (chapter 8d)
+        env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()  # as `train` does on CPU
 
         log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)
@@ -371,10 +375,11 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
                 with torch.no_grad():
                     model.generator.bias[EOS] = eos_logit
 
-        log("bench: warm-up" + (" (torch.compile)" if compile else ""))
+        log(f"bench: warm-up, {max(warmup, 1)} pass(es) over the batches per model" + (" (torch.compile)" if compile else ""))
         for name in models:
-            for i in range(len(batches) if compile else 1):
-                step(name, i)
+            for _ in range(max(warmup, 1)):                        # at least one step of every shape (compile)
+                for i in range(len(batches) if (compile or warmup) else 1):
+                    step(name, i)
             decode(name, 0)
         decode("ours", 0, cache=True)
 
@@ -422,7 +427,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size, "max_tokens": max_tokens,
                      "batch_shapes": [[s.size(0), s.size(1), t.size(1)] for s, t in batches],
                      "target_tokens": tokens, "decode_sentences": n_decode},
-            "repeats": repeats,
+            "repeats": repeats, "warmup_passes": warmup,
             "train": {"ours_tokens_per_s": train_tps["ours"], "nn_tokens_per_s": train_tps["nn"],
                       "ratio": train_ratio, "median_ratio": _median(train_ratio)},
             "decode": {"ours_sentences_per_s": decode_sps["ours"], "nn_sentences_per_s": decode_sps["nn"],
@@ -498,23 +503,29 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     p.add_argument("--decode-sentences", type=int, default=32)
     p.add_argument("--compile", action="store_true", help="torch.compile both models for the training step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast (default: on for CUDA, off for CPU)")
+                   help="bf16 autocast (default: as training, on for CUDA and for CPUs with bf16 matrix units)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (overrides the table)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--warmup", type=int, default=2, help="untimed passes over the batches per model (default 2)")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, keep freed memory in malloc's heap, as `train` does (default: on)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
     for name in ("repeats", "batches", "decode_sentences", "vocab_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    if args.warmup < 0:
+        p.error(f"--warmup={args.warmup} must be >= 0")
     for name in ("max_tokens", "threads"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}={value} must be >= 1")
     try:
         result = run_bench(args.preset, args.device, args.repeats, args.batches, args.max_tokens, args.vocab_size,
-                           args.decode_sentences, args.compile, args.threads, args.peak_tflops, args.bf16, args.seed)
+                           args.decode_sentences, args.compile, args.threads, args.peak_tflops, args.bf16, args.seed,
+                           warmup=args.warmup, keep_memory=args.keep_freed_memory)
     except ValueError as e:
         p.error(str(e))
     result["command"] = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
