@@ -21,6 +21,7 @@ from torch import nn
 from .data import load_multi30k
 from .tokens import BOS, EOS, PAD, Embeddings, Tokenizer, pad_batch, token_batches
 from .positions import PositionalEncoding
+from .blocks import Dropout
 from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
@@ -46,6 +47,7 @@ class TorchTransformer(nn.Module):
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)
+        self.pos.dropout = Dropout(c.dropout)                          # as ours (chapter 7): the clothes are the same
         enc_layer = nn.TransformerEncoderLayer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True,
                                                norm_first=c.norm_first)
         dec_layer = nn.TransformerDecoderLayer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True,
