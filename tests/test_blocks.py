@@ -265,3 +265,12 @@ def test_layers_use_the_fused_residual_dropout():
         assert torch.equal(a, b) and not torch.equal(a, c)
         layer.eval()
         assert torch.equal(layer(*args), layer(*args))
+
+
+def test_dropout_under_torch_compile_traces_pytorchs_dropout():
+    "Inside a compiled graph the module takes F.dropout (the compiler fuses it); the result is still dropout."
+    drop = Dropout(0.5).train()
+    fused = torch.compile(lambda x, y: drop.residual(x, y), backend="eager", fullgraph=True)
+    x, y = torch.zeros(200, 100), torch.ones(200, 100)
+    out = fused(x, y)
+    assert set(out.unique().tolist()) == {0.0, 2.0} and abs((out == 0).float().mean().item() - 0.5) < 0.02

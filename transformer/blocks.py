@@ -41,11 +41,12 @@ def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None)
 
 class Dropout(nn.Dropout):
     """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p is rounded to a multiple
-    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices: PyTorch's fused dropout."""
+    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices, and under `torch.compile`
+    (which fuses dropout into its own kernels): PyTorch's dropout."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
             return F.dropout(x, self.p, training=True)
         return x * dropout_mask(x, self.p)
 
@@ -53,7 +54,7 @@ class Dropout(nn.Dropout):
         "x + Dropout(y): the sub-layer output y, dropped out, added to the residual stream x."
         if not self.training or self.p == 0:
             return x + y
-        if y.device.type != "cpu":
+        if y.device.type != "cpu" or torch.compiler.is_compiling():
             return x + F.dropout(y, self.p, training=True)
         return torch.addcmul(x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))
 
