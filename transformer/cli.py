@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dropout", type=float, metavar="P")
     g.add_argument("--vocab-size", type=_positive(int), metavar="N", help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
     g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast on the CPU (fast with AMX; default: the preset's)")
+                   help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; default: the preset's)")
     g.add_argument("--eval-every", type=_positive(int), metavar="N", help="validate and save every N steps")
     g.add_argument("--log-every", type=_positive(int), metavar="N")
     e = t.add_argument_group("evaluation")

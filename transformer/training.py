@@ -282,7 +282,7 @@ class TrainConfig:
     log_every: int = 50
     seed: int = 0
     amp: bool = True                # bf16 autocast on CUDA
-    cpu_bf16: bool = False          # bf16 autocast on the CPU too (pays off with bf16 matrix units, e.g. AMX)
+    cpu_bf16: bool = False          # bf16 autocast on the CPU too (pays off with bf16 instructions: AMX, AVX512-BF16)
     compile: bool = False           # torch.compile the model + loss
     keep_checkpoints: int = 0       # also keep the weights of the last N snapshots, for averaging
     snapshot_every: int | None = None  # steps between those snapshots (default: eval_every)
@@ -350,12 +350,16 @@ class TrainResult:
 
 
 def cpu_has_bf16_units() -> bool:
-    "Whether this CPU multiplies bf16 matrices in hardware (Intel AMX), where bf16 autocast speeds training up."
-    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)  # private, so asked for carefully
-    try:
-        return bool(probe()) if probe is not None else False
-    except Exception:
-        return False
+    """Whether this CPU computes bf16 products in hardware, where bf16 autocast speeds training up: Intel's AMX
+    tiles, or AVX-512 BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake and later)."""
+    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
+        probe = getattr(torch.cpu, name, None)  # private, so asked for carefully
+        try:
+            if probe is not None and probe():
+                return True
+        except Exception:
+            pass
+    return False
 
 
 def world() -> tuple[int, int]:
@@ -480,7 +484,7 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
         net = torch.compile(net)
     use_amp = (config.amp and device.type == "cuda") or (config.cpu_bf16 and device.type == "cpu")
     if use_amp and device.type == "cpu" and not cpu_has_bf16_units():
-        warnings.warn("cpu_bf16=True on a CPU without bf16 matrix units (AMX): autocast may be slower than "
+        warnings.warn("cpu_bf16=True on a CPU without bf16 instructions (AMX, AVX512-BF16): autocast may be slower than "
                       "float32 here; set cpu_bf16=False (--no-cpu-bf16)", stacklevel=2)
     history: list[dict] = []
 
