@@ -455,6 +455,34 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
     assert all(abs(a - b) < 0.05 * a for a, b in zip(losses[True], losses[False])), losses
 
 
+
+@pytest.mark.parametrize("amx, avx512_bf16, expected", [
+    (True, False, True),        # Intel Sapphire Rapids and later
+    (False, True, True),        # AMD Zen 4, Intel Cooper Lake: AVX-512 BF16 dot products
+    (False, False, False),      # bf16 only emulated
+    ("raise", True, True),      # a probe that fails counts as absent, the other still answers
+    ("raise", "raise", False),
+    (None, None, False),        # a torch without the private probes
+])
+def test_cpu_has_bf16_units_asks_both_probes(monkeypatch, amx, avx512_bf16, expected):
+    from transformer.training import cpu_has_bf16_units
+
+    def probe(answer):
+        if answer is None:
+            return None
+        def ask():
+            if answer == "raise":
+                raise RuntimeError("probe failed")
+            return answer
+        return ask
+
+    for name, answer in (("_is_amx_tile_supported", amx), ("_is_avx512_bf16_supported", avx512_bf16)):
+        if answer is None:
+            monkeypatch.delattr(torch.cpu, name, raising=False)
+        else:
+            monkeypatch.setattr(torch.cpu, name, probe(answer), raising=False)
+    assert cpu_has_bf16_units() is expected
+
 # --- the fused loss (chapter 8.1's fast path) and Seq2SeqLoss on the model's fast paths ---------------------------
 
 from transformer.masking import padding_mask
