@@ -50,7 +50,7 @@ def test_presets_match_the_paper_table_3():
     t = TransformerConfig.preset("tiny", src_vocab=V, tgt_vocab=V)
     s = TransformerConfig.preset("small", src_vocab=V, tgt_vocab=V)
     assert (t.d_model, t.d_ff, t.h, t.n_layers) == (64, 256, 4, 2)
-    assert (s.d_model, s.d_ff, s.h, s.n_layers, s.dropout) == (256, 1024, 4, 3, 0.1)
+    assert (s.d_model, s.d_ff, s.h, s.n_layers, s.dropout) == (256, 1024, 4, 3, 0.3)   # tuned on val (ch 9)
     assert set(PRESETS) == {"tiny", "small", "base", "big"}
     assert TransformerConfig.preset("tiny", src_vocab=V, tgt_vocab=V, h=8).h == 8   # overrides win
 

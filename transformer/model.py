@@ -19,7 +19,7 @@ __all__ = ['PRESETS', 'TransformerConfig', 'Transformer']
 # %% ../book/07_model.ipynb #c005
 PRESETS: dict[str, dict] = {
     "tiny":  dict(d_model=64,   d_ff=256,  h=4,  n_layers=2, dropout=0.1),
-    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.1, norm_first=True),  # pre-LN: see below
+    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.3, norm_first=True),  # pre-LN, 0.3: see below
     "base":  dict(d_model=512,  d_ff=2048, h=8,  n_layers=6, dropout=0.1),  # Table 3, row "base"
     "big":   dict(d_model=1024, d_ff=4096, h=16, n_layers=6, dropout=0.3),  # Table 3, row "big"
 }
