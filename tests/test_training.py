@@ -455,7 +455,6 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
     assert all(abs(a - b) < 0.05 * a for a, b in zip(losses[True], losses[False])), losses
 
 
-
 @pytest.mark.parametrize("amx, avx512_bf16, expected", [
     (True, False, True),        # Intel Sapphire Rapids and later
     (False, True, True),        # AMD Zen 4, Intel Cooper Lake: AVX-512 BF16 dot products
@@ -482,6 +481,7 @@ def test_cpu_has_bf16_units_asks_both_probes(monkeypatch, amx, avx512_bf16, expe
         else:
             monkeypatch.setattr(torch.cpu, name, probe(answer), raising=False)
     assert cpu_has_bf16_units() is expected
+
 
 # --- the fused loss (chapter 8.1's fast path) and Seq2SeqLoss on the model's fast paths ---------------------------
 
