@@ -4,8 +4,10 @@ import io
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -167,13 +169,19 @@ def _broken_runs(tmp_path):
     (tmp_path / "foreign" / "tokenizer.model").write_bytes(b"x")
     (tmp_path / "notok").mkdir()
     torch.save({}, tmp_path / "notok" / "last.pt")
+    (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "stub").mkdir()
+    (tmp_path / "stub" / "config.json").write_text("{}")
+    (tmp_path / "stub" / "tokenizer.model").write_bytes(b"x")
+    (tmp_path / "halfrun").mkdir()
+    torch.save({}, tmp_path / "halfrun" / "last.pt")
 
 
 BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
-    ("no command", [], 2, "required: {train,translate,evaluate}"),
+    ("no command", [], 2, "required: {train,translate,evaluate,bench}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),
     ("same languages", ["train", "--src", "de", "--tgt", "de"], 1, "both 'de'"),
@@ -189,15 +197,33 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("half a file pair", ["evaluate", "--model", "TMP/empty", "--src-file", "a"], 1, "go together"),
     ("split and files", ["evaluate", "--model", "TMP/empty", "--split", "val", "--src-file", "a", "--ref-file", "b"],
      1, "not both"),
+    # issue 18: every flag checked before any work, in the flag's words
+    ("dropout out of range", ["train", "--dropout", "1.5"], 2, "argument --dropout: 1.5 must be in [0, 1)"),
+    ("dropout not a number", ["train", "--dropout", "nan"], 2, "argument --dropout: nan must be in [0, 1)"),
+    ("label smoothing out of range", ["train", "--label-smoothing", "-0.1"], 2, "-0.1 must be in [0, 1)"),
+    ("negative clip norm", ["train", "--clip-norm", "-1"], 2, "argument --clip-norm: -1 must be >= 0"),
+    ("negative length penalty", ["translate", "--model", "TMP/empty", "--alpha", "-1", "x"], 2, "-1 must be >= 0"),
+    ("negative average", ["train", "--average", "-2"], 2, "argument --average: -2 must be >= 0"),
+    ("infinite learning rate", ["train", "--lr-scale", "inf"], 2, "inf must be > 0"),
+    ("--out is a file", ["train", "--out", "TMP/afile"], 1, "afile is a file, not a directory; pass a directory"),
+    ("another run's files", ["train", "--out", "TMP/stub"], 1,
+     "holds files of another run (config.json, tokenizer.model) but no last.pt"),
+    ("resume without its tokenizer", ["train", "--resume", "--out", "TMP/halfrun"], 1,
+     "has last.pt but no config.json; it is not a whole run directory"),
+    ("averaged asked, absent", ["translate", "--model", "TMP/corrupt", "--checkpoint", "averaged", "x"], 1,
+     "holds no averaged.pt (train --average N writes it); use --checkpoint best (best.pt)"),
+    ("bench through cli.main", ["bench"], 1, "python -m transformer bench --help"),
 ]
 
 
 @pytest.mark.parametrize("what, argv, code, match", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_is_one_line_and_nonzero(tmp_path, monkeypatch, what, argv, code, match):
     _broken_runs(tmp_path)
+    before = sorted(str(p) for p in tmp_path.rglob("*"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     got = run(*[a.replace("TMP", str(tmp_path)) for a in argv])
     assert_one_line_error(*got, code, match)
+    assert sorted(str(p) for p in tmp_path.rglob("*")) == before, "a refused command left files behind"
 
 
 def test_missing_reference_file(trained, tmp_path):
@@ -229,3 +255,213 @@ def test_keep_freed_memory_applies_on_glibc():
     import platform
     from transformer.cli import keep_freed_memory
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
+
+
+# --- issue 18: careless and hostile use of a real run directory --------------------------------------------------
+
+def _copy(trained, tmp_path, name="copy"):
+    out = tmp_path / name
+    shutil.copytree(trained[0], out)
+    return out
+
+
+def _cli(*argv, timeout=300, **kw):
+    "`python -m transformer ...` in a child process (one thread, the test's data)."
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "transformer", *map(str, argv)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+def test_foreign_tokenizer_is_refused(trained, tmp_path):
+    "A tokenizer.model from another run with the same vocabulary size: refused by translate, evaluate and --resume."
+    from transformer.tokens import Tokenizer
+    out = _copy(trained, tmp_path)
+    texts = [p[1] + " " + p[0] for p in load_multi30k("de", "en", "val", download=False)]
+    other = Tokenizer.train(list(reversed(texts)), 1000)
+    assert other.vocab_size == 1000
+    other.save(out / "tokenizer.model")
+    for argv in (["translate", "--model", out, "Ein Hund."], ["evaluate", "--model", out, "--split", "val"],
+                 [*TRAIN, "--out", out, "--resume"]):
+        code, stdout, err = run(*argv)
+        assert_one_line_error(code, stdout, err, 1, "tokenizer.model is not the tokenizer")
+        assert "sha256" in err and "different runs" in err
+
+
+def test_nan_weights_are_an_error(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    for name in ("best.pt", "averaged.pt"):
+        state = torch.load(out / name, weights_only=True)
+        state["model"]["generator.bias"] = torch.full_like(state["model"]["generator.bias"], float("nan"))
+        torch.save(state, out / name)
+    code, stdout, err = run("translate", "--model", out, "Ein Hund.")
+    assert_one_line_error(code, stdout, err, 1, "holds NaN or infinite weights (generator.bias)")
+
+
+def test_absurd_config_is_refused_before_allocating(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    for name in ("best.pt", "averaged.pt"):
+        state = torch.load(out / name, weights_only=True)
+        state["model_config"].update(d_model=2**16, d_ff=2**20, n_layers=512, h=1)
+        torch.save(state, out / name)
+    code, stdout, err = run("translate", "--model", out, "Ein Hund.")
+    assert_one_line_error(code, stdout, err, 1, "describes a model of about")
+    assert "GiB" in err and "more than this machine's" in err
+
+
+def test_missing_averaged_falls_back_to_best(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    results = json.loads((out / "results.json").read_text())
+    (out / "results.json").write_text(json.dumps({**results, "checkpoint": "averaged"}))
+    (out / "averaged.pt").unlink()
+    code, stdout, err = run("translate", "--model", out, "--beam", 1, "Ein Hund läuft.")
+    assert code == 0 and stdout.strip(), err
+    assert err.strip() == f"warning: {out / 'results.json'} chose averaged.pt, which is missing; using best.pt"
+    assert stdout == run("translate", "--model", out, "--beam", 1, "--checkpoint", "best", "Ein Hund läuft.")[1]
+
+
+def test_invalid_utf8_on_stdin(trained):
+    class BytesStdin(io.StringIO):
+        buffer = io.BytesIO("Ein Hund.\nFu\xdfball\n".encode("latin-1"))
+    old = sys.stdin
+    sys.stdin = BytesStdin()
+    try:
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["translate", "--model", str(trained[0])])
+    finally:
+        sys.stdin = old
+    assert_one_line_error(code, out.getvalue(), err.getvalue(), 1,
+                          "stdin line 2 is not valid UTF-8 (byte b'\\xdf' at column 3)")
+
+
+def test_truncated_metrics_line_is_dropped_on_resume(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 2')              # the run was killed while writing this line
+    code, stdout, err = run(*[a if a != 24 else 28 for a in TRAIN], "--out", out, "--resume")
+    assert code == 0, err
+    assert "metrics.jsonl: dropped its last line, cut short" in err
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 28 and [r["step"] for r in records] == sorted(r["step"] for r in records)
+
+
+def test_damaged_metrics_line_names_file_and_line(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:10]
+    (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    code, stdout, err = run(*[a if a != 24 else 28 for a in TRAIN], "--out", out, "--resume")
+    assert_one_line_error(code, stdout, err, 1, "metrics.jsonl, line 2: not a metrics record")
+
+
+def test_batch_tokens_too_small_fails_before_the_tokenizer(multi30k, tmp_path):
+    out = tmp_path / "r"
+    code, stdout, err = run(*TRAIN, "--batch-tokens", 1, "--out", out)
+    assert_one_line_error(code, stdout, err, 1, "--batch-tokens 1 is too small: the longest training pair needs at least")
+    assert "use --batch-tokens" in err and "the tiny preset uses 3000" in err
+    assert not out.exists()
+
+
+def test_disk_full_while_saving(trained, tmp_path, monkeypatch):
+    "Every write raises ENOSPC: one line, no temp file left, last.pt as it was, exit code 1."
+    import errno
+    out = _copy(trained, tmp_path)
+    before = (out / "last.pt").read_bytes()
+
+    def full_disk(obj, f, *a, **k):
+        f.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    code, stdout, err = run(*[a if a != 24 else 36 for a in TRAIN], "--out", out, "--resume")
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith(f"error: no space left on the device while saving {out}/step-0000030.pt; nothing was written")
+    assert not list(out.glob(".*.tmp")) and not (out / ".lock").exists()
+    assert (out / "last.pt").read_bytes() == before
+
+
+def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
+    "The same with a real full file system (a 64 KiB tmpfs), where the machine lets us mount one."
+    import errno
+    from transformer.model import Transformer, TransformerConfig
+    from transformer.training import SaveError, save_checkpoint, load_checkpoint
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        small = Transformer(TransformerConfig(src_vocab=10, tgt_vocab=10, d_model=8, d_ff=16, h=2, n_layers=1, max_len=16))
+        save_checkpoint(disk / "last.pt", small)
+        big = Transformer(TransformerConfig(src_vocab=2000, tgt_vocab=2000, d_model=64, d_ff=256, h=2, n_layers=1))
+        with pytest.raises(SaveError, match=r"no space left on the device while saving .*last\.pt; the previous "
+                                            r"last\.pt is intact") as e:
+            save_checkpoint(disk / "last.pt", big)
+        assert e.value.errno == errno.ENOSPC and str(e.value).count("\n") == 0
+        assert sorted(p.name for p in disk.iterdir()) == ["last.pt"]
+        assert load_checkpoint(disk / "last.pt")["model_config"]["d_model"] == 8
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_second_process_is_refused_while_a_run_holds_the_directory(trained, tmp_path):
+    out = _copy(trained, tmp_path)
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.training import run_lock\n"
+                               f"with run_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")
+        assert_one_line_error(code, stdout, err, 1, f"is in use by another run (pid {holder.pid})")
+    finally:
+        holder.kill()
+        holder.wait()
+    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")  # the OS freed it
+    assert code == 0, err
+
+
+def test_two_trainings_into_one_directory(multi30k, tmp_path):
+    "Started together: one trains, the other is refused with one line; the run left is whole and consistent."
+    out = tmp_path / "both"
+    de_en = _cli(*TRAIN, "--max-steps", 6, "--eval-every", 6, "--out", out)
+    fr_en = _cli(*[a if a != "de" else "fr" for a in TRAIN], "--src", "fr", "--max-steps", 6, "--eval-every", 6,
+                 "--out", out)
+    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in (de_en, fr_en)]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 1], results
+    code, _, err = next(r for r in results if r[0] == 1)
+    assert err.count("\n") == 1 and ("is in use by another run (pid" in err or "already holds a run" in err
+                                     or "holds files of another run" in err), err
+    config = json.loads((out / "config.json").read_text())
+    from transformer.training import load_checkpoint
+    state = load_checkpoint(out / "last.pt")
+    from transformer.data import sha256_file
+    assert state["run"]["tokenizer_sha256"] == sha256_file(out / "tokenizer.model")
+    assert config["data"]["src"] in ("de", "fr") and not list(out.glob(".*.tmp"))
+
+
+def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
+    out = tmp_path / "term"
+    argv = [*TRAIN, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]
+    proc = _cli(*argv)
+    try:
+        deadline = time.time() + 300
+        while time.time() < deadline and proc.poll() is None:
+            metrics = out / "metrics.jsonl"
+            if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=120)
+    finally:
+        proc.kill()
+    err = proc.stderr.read()
+    assert code == 128 + signal.SIGTERM, err
+    last = err.strip().splitlines()[-1]
+    from transformer.training import load_checkpoint
+    step = load_checkpoint(out / "last.pt")["progress"]["step"]
+    assert last.startswith(f"SIGTERM at step {step}: saved {out / 'last.pt'}; continue with: python -m transformer train")
+    assert last.endswith("--resume") and step >= 3 and "Traceback" not in err
+    code, stdout, err = run(*[a if a != 100000 else step + 2 for a in argv], "--resume")
+    assert code == 0, err
+    assert json.loads((out / "results.json").read_text())["steps"] == step + 2

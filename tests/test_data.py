@@ -187,6 +187,14 @@ def test_read_parallel_bad_input(tmp_path, name, src, tgt, match):
         read_parallel(tmp_path / "src.txt", tmp_path / "tgt.txt")
 
 
+def test_random_bytes_named_gz(tmp_path):
+    "A file named .gz that is not gzip says so (before: 'not valid UTF-8', which sent the reader to iconv)."
+    (tmp_path / "src.de.gz").write_bytes(bytes(range(256)) * 4)
+    (tmp_path / "tgt.en.gz").write_bytes(gz(["x"] * 3))
+    with pytest.raises(DataError, match=r"src\.de\.gz: not a gzip file .*download or copy it again"):
+        read_parallel(tmp_path / "src.de.gz", tmp_path / "tgt.en.gz")
+
+
 def test_data_error_is_a_value_error():
     assert issubclass(DataError, ValueError)
 
@@ -317,7 +325,7 @@ def test_recorded_checksums_match_the_shared_copy():
     d = real_multi30k()
     assert set(SHA256) == {f"{s}.{l}.gz" for s in SPLITS for l in LANGS}
     for name, want in SHA256.items():
-        assert data._sha256(d / name) == want, name
+        assert data.sha256_file(d / name) == want, name
 
 
 @pytest.mark.parametrize("split, n", [("train", 29000), ("val", 1014), ("test_2016_flickr", 1000)])

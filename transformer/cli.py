@@ -4,12 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import json
 import os
 import platform
+import re
+import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -18,17 +23,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data import LANGS, SPLITS, DataError, load_multi30k, read_parallel
+from .data import LANGS, SPLITS, DataError, load_multi30k, read_parallel, sha256_file
 from .tokens import Tokenizer
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import (CheckpointError, TrainConfig, TrainingError, average_checkpoints,
-                                  init_distributed, make_examples, model_from_checkpoint, save_checkpoint, train)
+from .training import (CheckpointError, RunDirectoryError, TrainConfig, TrainingError, atomic_write,
+                                  average_checkpoints, epoch_batches, init_distributed, load_checkpoint, make_examples,
+                                  model_from_checkpoint, read_metrics, run_lock, save_checkpoint, train)
 from .evaluation import bleu_callback, evaluate
 from .decoding import translate
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'CLIError', 'build_parser', 'keep_freed_memory', 'load_run',
-           'cmd_train', 'cmd_translate', 'cmd_evaluate', 'main']
+__all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'CLIError', 'build_parser', 'keep_freed_memory',
+           'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'main']
 
 # %% ../book/08d_commands.ipynb #c005
 VOCAB_SIZE = 8000  # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -47,23 +53,31 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{self.prog}: {message} (see --help)", code=2)
 
 
-def _positive(kind):
+def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False):
+    "An argparse type: a finite `kind` in (low, high), or [low, high) with `low_ok`; the message says which."
+    rule = f"{'>=' if low_ok else '>'} {low:g}" if high is None else f"in [{low:g}, {high:g})"
+
     def parse(text: str):
         try:
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{text} must be > 0")
+        ok = value >= low if low_ok else value > low
+        if not (ok and (high is None or value < high) and float(value) not in (float("inf"), float("-inf"))):
+            raise argparse.ArgumentTypeError(f"{text} must be {rule}")
         return value
     parse.__name__ = kind.__name__
     return parse
 
 
+def _positive(kind):
+    return _number(kind)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m transformer",
                      description="Train, use and score the Transformer of 'Attention Is All You Need'.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,translate,evaluate}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,translate,evaluate,bench}")
 
     t = sub.add_parser("train", help="train a model on Multi30k (CPU, GPU, or several with torchrun)",
                        description="Train a translation model. Writes config.json, tokenizer.model, last.pt, "
@@ -73,21 +87,22 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--tgt", choices=LANGS, default="en", help="target language (default: en)")
     t.add_argument("--data", metavar="DIR", help="directory holding multi30k/ (default: $TRANSFORMER_DATA, then the cache)")
     t.add_argument("--no-download", action="store_true", help="fail instead of downloading missing data")
-    t.add_argument("--out", metavar="DIR", help="run directory (default: runs/<preset>-<src>-<tgt>)")
+    t.add_argument("--out", metavar="DIR", help="run directory (default: runs/<preset>-<src>-<tgt>); one run at a "
+                                                "time: it is locked while the run goes on")
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     t.add_argument("--max-steps", type=_positive(int), metavar="N", help="optimizer steps (default: the preset's)")
     t.add_argument("--max-minutes", type=_positive(float), metavar="M", help="stop after M minutes of training")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--seed", type=_number(int, low_ok=True), default=0)
     g = t.add_argument_group("hyperparameters (default: the preset's)")
     g.add_argument("--batch-tokens", type=_positive(int), metavar="N", help="padded tokens per optimizer step, all processes")
     g.add_argument("--accum-steps", type=_positive(int), metavar="N", help="gradient accumulation: pieces per process and step")
     g.add_argument("--warmup", type=_positive(int), metavar="N", help="warm-up steps of the learning-rate schedule")
     g.add_argument("--lr-scale", type=_positive(float), metavar="X", help="multiplies the schedule of equation (3)")
-    g.add_argument("--label-smoothing", type=float, metavar="EPS")
-    g.add_argument("--clip-norm", type=float, metavar="X", help="gradient-norm clipping (0: off)")
-    g.add_argument("--dropout", type=float, metavar="P")
+    g.add_argument("--label-smoothing", type=_number(float, 0, 1, low_ok=True), metavar="EPS", help="in [0, 1)")
+    g.add_argument("--clip-norm", type=_number(float, low_ok=True), metavar="X", help="gradient-norm clipping (0: off)")
+    g.add_argument("--dropout", type=_number(float, 0, 1, low_ok=True), metavar="P", help="in [0, 1)")
     g.add_argument("--vocab-size", type=_positive(int), metavar="N", help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
     g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; default: the preset's)")
@@ -97,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-sentences", type=_positive(int), metavar="N", help="translate only the first N sentences of each split")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"], default="test_2016_flickr",
                    help="split scored at the end, besides val (default: test_2016_flickr)")
-    e.add_argument("--average", type=int, metavar="N",
+    e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
                    help="average the weights of the last N snapshots at the end and keep the average if it "
                         "scores higher on val (0: off; default: the preset's)")
     e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
                    help="steps between the snapshots --average uses (default: the preset's, else --eval-every)")
     e.add_argument("--beam", type=_positive(int), default=4, help="beam size of the final evaluation (default: 4)")
-    e.add_argument("--alpha", type=float, default=0.6, help="length penalty (default: 0.6)")
+    e.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6, help="length penalty (default: 0.6)")
     t.add_argument("--threads", type=_positive(int), metavar="N", help="CPU threads per process (default: torch's)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=cmd_train)
@@ -115,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"], default="chosen",
                        help="which weights (default: what train picked on val: averaged.pt if it won, else best.pt)")
         c.add_argument("--beam", type=_positive(int), default=4, help="beam size (default: 4; 1 = greedy)")
-        c.add_argument("--alpha", type=float, default=0.6, help="length penalty (default: 0.6)")
+        c.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6, help="length penalty (default: 0.6)")
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         c.add_argument("--threads", type=_positive(int), metavar="N")
         if name == "translate":
@@ -130,7 +145,16 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--limit", type=_positive(int), metavar="N", help="score only the first N sentences")
             c.add_argument("--json", action="store_true", help="print one JSON object")
             c.set_defaults(run=cmd_evaluate)
+    # `bench` lives in chapter 9 (transformer.bench), which this module may not import; `python -m transformer`
+    # hands it over before this parser runs. Listed here so that --help names every command.
+    b = sub.add_parser("bench", help="time a training step and greedy decoding against torch.nn.Transformer "
+                                     "(chapter 9; python -m transformer bench --help)", add_help=False)
+    b.set_defaults(run=lambda args: _not_here("bench"))
     return parser
+
+
+def _not_here(command: str) -> int:
+    raise CLIError(f"{command} runs through the package entry point: python -m transformer {command} --help")
 
 # %% ../book/08d_commands.ipynb #c007
 def _device(name: str) -> torch.device:
@@ -191,9 +215,7 @@ def _provenance() -> dict:
 
 
 def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
 
 
 def _chosen(run_dir: Path) -> str:
@@ -204,30 +226,49 @@ def _chosen(run_dir: Path) -> str:
         return "best"
 
 
+def _check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
+    "The checkpoint records the sha256 of the tokenizer it was trained with; refuse another one."
+    want = state.get("run", {}).get("tokenizer_sha256")
+    if want is not None and sha256_file(tok_path) != want:
+        raise CLIError(f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 {sha256_file(tok_path)[:12]}… "
+                       f"vs {want[:12]}… recorded in the checkpoint): the files come from different runs; "
+                       f"copy the whole run directory, or put back its own tokenizer.model")
+
+
 def load_run(run_dir: str | os.PathLike, which: str = "chosen",
              device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """The model (eval mode), tokenizer and config.json of a run directory written by `train`.
-    `which`: best, last, averaged, or chosen (the one train picked on val; best when it says nothing)."""
+    `which`: best, last, averaged, or chosen (the one train picked on val; best.pt when it says nothing, or when
+    the file it picked is gone). The checkpoint must have been trained with this tokenizer.model (its sha256)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"--model {run_dir}: no such directory")
-    which = _chosen(run_dir) if which == "chosen" else which
+    if which == "chosen":
+        which = _chosen(run_dir)
+        if not (run_dir / f"{which}.pt").exists() and which != "best":
+            print(f"warning: {run_dir / 'results.json'} chose {which}.pt, which is missing; using best.pt",
+                  file=sys.stderr)
+            which = "best"
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
-        raise CLIError(f"--model {run_dir} holds no averaged.pt (train with --average N, N >= 2)")
+        raise CLIError(f"--model {run_dir} holds no averaged.pt (train --average N writes it); use "
+                       f"--checkpoint best (best.pt) or --checkpoint last (last.pt)")
     path = run_dir / f"{which}.pt"
     if which == "best" and not path.exists():
         path = run_dir / "last.pt"
     if not path.exists():
         raise CLIError(f"--model {run_dir} holds no model (no best.pt or last.pt); train one with "
                        f"python -m transformer train --out {run_dir}")
-    if not (run_dir / "tokenizer.model").exists():
+    tok_path = run_dir / "tokenizer.model"
+    if not tok_path.exists():
         raise CLIError(f"--model {run_dir} has a checkpoint but no tokenizer.model; copy the whole run directory")
     try:
         config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CLIError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
-    model = model_from_checkpoint(path, device)
-    tokenizer = Tokenizer.load(run_dir / "tokenizer.model")
+    state = load_checkpoint(path)
+    _check_tokenizer(state, path, tok_path)
+    model = model_from_checkpoint(state, device, name=str(path))
+    tokenizer = Tokenizer.load(tok_path)
     if tokenizer.vocab_size != model.config.src_vocab:
         raise CLIError(f"{run_dir}: tokenizer.model has {tokenizer.vocab_size} pieces but {path.name} expects "
                        f"{model.config.src_vocab}; the files come from different runs")
@@ -264,6 +305,59 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
                        "; drop those options, or train into a new --out")
 
 
+RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt", "metrics.jsonl", "results.json")
+
+
+def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
+    "The model and training configs the flags ask for; a bad value is a one-line error in the flags' words."
+    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes", "batch_tokens", "accum_steps", "warmup",
+                                               "lr_scale", "label_smoothing", "eval_every", "log_every", "cpu_bf16",
+                                               "snapshot_every")
+                 if getattr(args, k) is not None}
+    if args.average is not None:
+        overrides["keep_checkpoints"] = args.average
+    if args.clip_norm is not None:
+        overrides["clip_norm"] = args.clip_norm or None
+    try:
+        model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
+                                                **({"dropout": args.dropout} if args.dropout is not None else {}))
+        return model_config, TrainConfig.preset(args.preset, seed=args.seed, compile=args.compile, **overrides)
+    except ValueError as e:  # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
+        raise CLIError(re.sub(r"^(\w+)=(\S+)", lambda m: f"--{m.group(1).replace('_', '-')} {m.group(2)}", str(e)))
+
+
+def _check_out(out: Path, args) -> None:
+    "A fresh run needs a directory free of other runs' files; --resume needs a run to continue."
+    if out.exists() and not out.is_dir():
+        raise CLIError(f"--out {out} is a file, not a directory; pass a directory (it is created if missing)")
+    if args.resume:
+        if not (out / "last.pt").exists():
+            raise CLIError(f"--resume: {out} holds no run to resume (no last.pt)")
+        for name in ("config.json", "tokenizer.model"):
+            if not (out / name).exists():
+                raise CLIError(f"--resume: {out} has last.pt but no {name}; it is not a whole run directory")
+        if (out / "metrics.jsonl").exists():
+            with warnings.catch_warnings():           # a cut last line is reported once, when train drops it
+                warnings.simplefilter("ignore")
+                read_metrics(out / "metrics.jsonl")    # a damaged line: an error now, before any work
+        return
+    if (out / "last.pt").exists():
+        raise CLIError(f"{out} already holds a run; add --resume to continue it, or pass another --out")
+    found = [n for n in RUN_FILES if (out / n).exists()] + sorted(p.name for p in out.glob("step-*.pt"))
+    if found:
+        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) but no last.pt to resume; "
+                       f"pass another --out, or delete those files")
+
+
+def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: int, exact: bool) -> None:
+    "Every training pair must fit one piece of a step: batch_tokens / pieces padded slots."
+    if train_config.batch_tokens // pieces < longest:
+        split = f" in each of the {pieces} pieces of a step (--accum-steps, processes)" if pieces > 1 else ""
+        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: the longest training pair needs "
+                       f"{'' if exact else 'at least '}{longest} tokens{split}; use --batch-tokens {longest * pieces} "
+                       f"or more (the {args.preset} preset uses {TrainConfig.preset(args.preset).batch_tokens})")
+
+
 def cmd_train(args) -> int:
     if args.src == args.tgt:
         raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different languages")
@@ -276,65 +370,97 @@ def cmd_train(args) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    try:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
+    try:   # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it saves and stops
         return _train(args, device, rank, world_size)
     finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
 
 
+class Terminated(KeyboardInterrupt):
+    "SIGTERM arrived outside the training loop (which saves and stops instead)."
+
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
 def _train(args, device: torch.device, rank: int, world_size: int) -> int:
+    "Check every flag, then the run directory, which process 0 holds (`run_lock`) for the whole run."
     out = Path(args.out) if args.out else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}"
+    _configs(args, args.vocab_size or VOCAB_SIZE)          # every flag checked before any work
+    if rank != 0:
+        return _train_in(out, args, device, rank, world_size)
+    _check_out(out, args)                              # before the lock: a refused run leaves no trace
+    created = not out.exists()
+    try:
+        with run_lock(out):
+            _check_out(out, args)
+            try:
+                return _train_in(out, args, device, rank, world_size)
+            except BaseException:
+                if not args.resume and not (out / "last.pt").exists():  # no checkpoint yet: leave no stub files
+                    for path in [*(out / name for name in RUN_FILES), *out.glob("step-*.pt")]:
+                        path.unlink(missing_ok=True)
+                raise
+    finally:
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()                            # only if empty: the run failed before writing anything
+
+
+def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int) -> int:
+    "The run: data, tokenizer, config.json, the training loop, then the final evaluation (process 0)."
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    if args.resume and not (out / "last.pt").exists():
-        raise CLIError(f"--resume: {out} holds no run to resume (no last.pt)")
-    if not args.resume and (out / "last.pt").exists():
-        raise CLIError(f"{out} already holds a run; add --resume to continue it, or pass another --out")
     train_pairs, val_pairs = _pairs(args, "train", args.src, args.tgt), _pairs(args, "val", args.src, args.tgt)
+    model_config, train_config = _configs(args, args.vocab_size or VOCAB_SIZE)
+    pieces = world_size * train_config.accum_steps
+    words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]   # a piece per word at least
+    _check_batch_tokens(args, train_config, max((w for w in words if w <= model_config.max_len), default=0),
+                        pieces, exact=False)     # before the tokenizer: a hopeless budget fails at once
 
     tok_path = out / "tokenizer.model"
     if args.resume:
-        tokenizer = Tokenizer.load(tok_path)
+        _check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
     else:
         if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
             Tokenizer.train([s for pair in train_pairs for s in pair], args.vocab_size or VOCAB_SIZE).save(tok_path)
         if world_size > 1:
             dist.barrier()
-        tokenizer = Tokenizer.load(tok_path)
-
+    tokenizer = Tokenizer.load(tok_path)
     V = tokenizer.vocab_size
-    model_config = TransformerConfig.preset(args.preset, src_vocab=V, tgt_vocab=V,
-                                            **({"dropout": args.dropout} if args.dropout is not None else {}))
-    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes", "batch_tokens", "accum_steps", "warmup",
-                                               "lr_scale", "label_smoothing", "eval_every", "log_every", "cpu_bf16",
-                                               "snapshot_every")
-                 if getattr(args, k) is not None}
-    if args.average is not None:
-        overrides["keep_checkpoints"] = args.average
-    if args.clip_norm is not None:
-        overrides["clip_norm"] = args.clip_norm or None
-    train_config = TrainConfig.preset(args.preset, seed=args.seed, compile=args.compile, **overrides)
+    if args.resume and args.vocab_size not in (None, V):
+        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's vocabulary is fixed by its "
+                       f"{tok_path} ({V} pieces); drop --vocab-size")
+    model_config, train_config = _configs(args, V)
+    examples = make_examples(tokenizer, train_pairs, model_config.max_len)
+    _check_batch_tokens(args, train_config, max(max(len(s), len(t)) for s, t in examples), pieces, exact=True)
     run_config = _run_config(args, model_config, train_config)
     if args.resume:
         _check_same_run(json.loads((out / "config.json").read_text()), run_config, out / "config.json")
     elif rank == 0:
         _write_json(out / "config.json", run_config)
+    run = {"tokenizer_sha256": sha256_file(tok_path)}     # every checkpoint names its tokenizer
 
     provenance = _provenance()               # now: the files may change while a long run goes on
     torch.manual_seed(args.seed)
     model = Transformer(model_config).to(device)
-    examples = make_examples(tokenizer, train_pairs, model_config.max_len)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} ({model.num_parameters():,} parameters, "
         f"vocabulary {V:,}) on {len(examples):,} {args.src}->{args.tgt} pairs; {_device_name(device)}"
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
     result = train(model, examples, val_examples, train_config, out_dir=out, resume=args.resume,
-                   on_eval=bleu_callback(tokenizer, val_pairs), progress=not args.quiet)
+                   on_eval=bleu_callback(tokenizer, val_pairs), progress=not args.quiet, run=run)
     if result.stopped == "interrupted":
-        print(f"interrupted at step {result.step}: saved {out / 'last.pt'}; continue with --resume",
+        signum = result.signal or signal.SIGINT
+        again = "python -m transformer " + shlex.join([*args.argv, *([] if args.resume else ["--resume"])])
+        print(f"{signal.Signals(signum).name} at step {result.step}: saved {out / 'last.pt'}; continue with: {again}",
               file=sys.stderr)
-        return 130
+        return 128 + signum                  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
     if rank != 0:
         return 0
 
@@ -346,7 +472,7 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     if len(snapshots) >= 2:                   # the paper's checkpoint averaging (section 6.1)
         averaged = average_checkpoints(snapshots)
         candidates["averaged"] = model_from_checkpoint(averaged, device)
-        save_checkpoint(out / "averaged.pt", candidates["averaged"], progress=averaged["progress"])
+        save_checkpoint(out / "averaged.pt", candidates["averaged"], progress=averaged["progress"], run=run)
     on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=args.beam, alpha=args.alpha)
               for name, m in candidates.items()}
     chosen = max(on_val, key=lambda name: on_val[name]["bleu"])  # picked on val only; a tie keeps best.pt
@@ -393,11 +519,33 @@ def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
     return load_run(args.model, args.checkpoint, device)
 
 
+def _input_lines(args) -> list[str]:
+    "The sentences to translate: the arguments, else stdin's lines; UTF-8 checked, with the place of a bad byte."
+    if args.text:
+        for i, text in enumerate(args.text, start=1):
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:   # undecodable bytes in argv arrive as lone surrogates
+                raise CLIError(f"argument {i} is not valid UTF-8 text; pass UTF-8 (convert with iconv -t utf-8)") from None
+        return list(args.text)
+    raw = getattr(sys.stdin, "buffer", None)
+    lines = []
+    for number, line in enumerate(raw if raw is not None else sys.stdin, start=1):
+        if isinstance(line, bytes):
+            try:
+                line = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise CLIError(f"stdin line {number} is not valid UTF-8 (byte {line[e.start:e.start + 1]!r} at column "
+                               f"{e.start + 1}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+        lines.append(line.rstrip("\r\n"))
+    return lines
+
+
 def cmd_translate(args) -> int:
-    model, tokenizer, _ = _setup_inference(args)
-    texts = args.text if args.text else [line.rstrip("\n") for line in sys.stdin]
+    texts = _input_lines(args)                              # checked before the model loads
     if not any(t.strip() for t in texts):
         raise CLIError("no input: pass sentences as arguments, or pipe them to stdin one per line")
+    model, tokenizer, _ = _setup_inference(args)
     for line in translate(model, tokenizer, [t.strip() for t in texts], beam_size=args.beam, alpha=args.alpha):
         print(line)
     return 0
@@ -457,8 +605,9 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("error: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:      # before the training loop, or a second signal inside it
+        name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        print(f"error: interrupted ({name})", file=sys.stderr)
+        return code
     finally:
         warnings.showwarning = show

@@ -35,7 +35,7 @@ class DataError(ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'DataError', 'cache_dir', 'multi30k_dir', 'download_multi30k',
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k',
            'read_parallel', 'load_multi30k']
 
 # %% ../book/01_data.ipynb #a0e26910
@@ -69,7 +69,8 @@ def _as_tuple(name: str, values, allowed: tuple) -> tuple:
     return values
 
 # %% ../book/01_data.ipynb #d647600f
-def _sha256(path) -> str:
+def sha256_file(path) -> str:
+    "The sha256 of a file's bytes, as hex: what the checksums above are."
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -95,7 +96,7 @@ def _fetch(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
                 f"could not download {url}: {e}. Check the network, or set TRANSFORMER_DATA to a "
                 f"directory that holds multi30k/{dest.name}, or set TRANSFORMER_DATA_URL to a mirror."
             ) from e
-        got = _sha256(tmp)
+        got = sha256_file(tmp)
         if sha256 is not None and got != sha256:
             raise DataError(
                 f"checksum mismatch for {dest.name} downloaded from {url}: expected sha256 "
@@ -126,7 +127,7 @@ def download_multi30k(splits: str | Iterable[str] = SPLITS, langs: str | Iterabl
             name = _file_name(split, lang)
             want = checksums.get(name)
             path = dest / name
-            if path.is_file() and want is not None and _sha256(path) == want:
+            if path.is_file() and want is not None and sha256_file(path) == want:
                 continue
             _fetch(f"{base}/{name}", path, want, progress)
     return dest
@@ -137,6 +138,9 @@ def _read_lines(path: Path) -> list[str]:
     if not path.is_file():
         raise DataError(f"{path}: no such file; check the path")
     raw = path.read_bytes()
+    if path.suffix == ".gz" and raw[:2] != b"\x1f\x8b":  # named gzip, but without gzip's magic number
+        raise DataError(f"{path}: not a gzip file (its name ends in .gz but it does not start with gzip's bytes "
+                        f"1f 8b); download or copy it again, or give a plain text file a name without .gz")
     if raw[:2] == b"\x1f\x8b":  # gzip magic number
         try:
             raw = gzip.decompress(raw)

@@ -3,16 +3,19 @@
 # %% ../book/08_training.ipynb #c002
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import math
 import os
 import signal
 import sys
+import tempfile
 import threading
 import time
 import warnings
 import zipfile
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -22,6 +25,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
+try:
+    import fcntl                    # POSIX file locks (Linux, macOS)
+except ImportError:                 # Windows: run directories are not locked there
+    fcntl = None
+
 from .tokens import PAD, BOS, EOS, Tokenizer, token_batches, pad_batch
 from .masking import teacher_forcing
 from .model import Transformer, TransformerConfig
@@ -29,9 +37,10 @@ from .model import Transformer, TransformerConfig
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'fused_smoothed_cross_entropy',
            'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples',
-           'Seq2SeqLoss', 'CheckpointError', 'save_checkpoint', 'load_checkpoint', 'strip_prefixes',
-           'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world',
-           'init_distributed', 'evaluate_loss', 'train', 'average_checkpoints']
+           'Seq2SeqLoss', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
+           'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult',
+           'cpu_has_bf16_units', 'world', 'init_distributed', 'RunDirectoryError', 'run_lock', 'evaluate_loss',
+           'read_metrics', 'train', 'average_checkpoints']
 
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -192,9 +201,51 @@ def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in module.state_dict().items()}
 
 
+class SaveError(OSError):
+    "A file could not be written (disk full, no permission); the previous version of it is intact."
+
+    def __str__(self):  # the message alone, without OSError's "[Errno 28]" in front
+        return self.strerror or super().__str__()
+
+
+def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
+    """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a name no other writer
+    uses, which is flushed to the disk and then renamed over `path`. On any error the temporary file is removed
+    and `path` is as it was; an `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
+    path = Path(path)
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())       # on the disk before the rename: a power cut cannot leave an empty file
+        os.replace(tmp, path)
+    except BaseException as e:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        # torch.save may wrap the OSError of a full disk in a RuntimeError of its own: look for it in the chain
+        cause = e if isinstance(e, (OSError, RuntimeError)) else None
+        while cause is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None and not isinstance(cause, SaveError):
+            e = cause
+            before = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
+            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+            why = "no space left on the device" if full else (e.strerror or str(e)).lower()
+            fix = "free some space" if full else f"check that {path.parent} is writable"
+            raise SaveError(e.errno, f"{why} while saving {path}; {before}. {fix.capitalize()} and run again "
+                                     f"(a training run continues with --resume)") from None
+        raise
+    return path
+
+
 def save_checkpoint(path: str | os.PathLike, model: Transformer, optimizer: torch.optim.Optimizer | None = None,
-                    train_config: "TrainConfig | None" = None, progress: dict | None = None) -> Path:
-    "Write model weights + config (+ optimizer, training config, progress) to `path`, atomically."
+                    train_config: "TrainConfig | None" = None, progress: dict | None = None,
+                    run: dict | None = None) -> Path:
+    """Write model weights + config (+ optimizer, training config, progress) to `path`, atomically.
+    `run` records facts about the files of the run the checkpoint belongs to (e.g. the tokenizer's sha256)."""
     path = Path(path)
     state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
              "model": _plain_state(model)}
@@ -204,11 +255,10 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, optimizer: torc
         state["train_config"] = asdict(train_config)
     if progress is not None:
         state["progress"] = dict(progress)
+    if run:
+        state["run"] = dict(run)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda f: torch.save(state, f))
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
@@ -243,14 +293,48 @@ def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
     return out
 
 
-def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None) -> Transformer:
-    "Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights loaded, in eval mode."
+def _memory_bytes() -> int | None:
+    "This machine's physical memory in bytes, where the OS tells."
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def model_bytes(config: TransformerConfig) -> int:
+    "Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper bound, computed, not built."
+    d, f, n = config.d_model, config.d_ff, config.n_layers
+    attention, ffn, norm = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
+    layers = n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm) + 2 * norm
+    tables = (config.src_vocab + 2 * config.tgt_vocab) * d + config.tgt_vocab + config.max_len * d
+    return 4 * (layers + tables)
+
+
+def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *, name: str | None = None) -> Transformer:
+    """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights loaded, in eval mode.
+    Refused with a `CheckpointError`: a config too large for this machine's memory (checked before anything is
+    built) and weights that hold NaN or infinity (a diverged run would translate to nothing)."""
+    name = name or ("the checkpoint" if isinstance(checkpoint, dict) else str(checkpoint))
     state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     try:
-        model = Transformer(TransformerConfig.from_dict(state["model_config"]))
-        model.load_state_dict(strip_prefixes(state["model"]))
-    except (KeyError, TypeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"the checkpoint does not describe a model this package can build: "
+        config = TransformerConfig.from_dict(state["model_config"])
+        need, have = model_bytes(config), _memory_bytes()
+        if have is not None and need > have:
+            raise CheckpointError(f"{name} describes a model of about {need / 2**30:,.1f} GiB (d_model={config.d_model}, "
+                                  f"d_ff={config.d_ff}, n_layers={config.n_layers}, vocabulary {config.src_vocab:,}), "
+                                  f"more than this machine's {have / 2**30:,.1f} GiB of memory; the file is damaged "
+                                  f"or was not written by this package")
+        weights = strip_prefixes(state["model"])
+        bad = next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        if bad is not None:
+            raise CheckpointError(f"{name} holds NaN or infinite weights ({bad}): the run diverged or the file is "
+                                  f"damaged; use another checkpoint (--checkpoint best, last or averaged)")
+        model = Transformer(config)
+        model.load_state_dict(weights)
+    except CheckpointError:
+        raise
+    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
+        raise CheckpointError(f"{name} does not describe a model this package can build: "
                               f"{str(e).splitlines()[0][:200]}") from None
     return model.to(device).eval()
 
@@ -342,6 +426,7 @@ class TrainResult:
     tokens: int                        # real target tokens seen
     best: dict | None                  # {"metric", "value", "step"} of best.pt
     history: list[dict] = field(default_factory=list)
+    signal: int | None = None          # the signal that interrupted it (SIGINT = Ctrl-C, SIGTERM), if any
 
     @property
     def tokens_per_second(self) -> float:
@@ -380,25 +465,76 @@ def init_distributed(device_type: str = "cpu") -> tuple[int, int, int]:
 
 
 class _StopRequest:
-    "The first Ctrl-C asks the loop to stop after the current step; a second one aborts."
+    """The first Ctrl-C (SIGINT) or SIGTERM (what `kill`, schedulers and container runtimes send) asks the loop to
+    stop after the current step and save; a second one aborts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self):
-        self.requested, self._previous = False, None
+        self.requested, self.signum, self._previous = False, None, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._handle)
+            for signum in self.SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum, frame):
         if self.requested:
             raise KeyboardInterrupt
-        self.requested = True
-        print("\nstopping after this step, saving last.pt (Ctrl-C again to abort)", file=sys.stderr)
+        self.requested, self.signum = True, signum
+        print(f"\n{signal.Signals(signum).name}: stopping after this step, saving last.pt "
+              f"(send it again to abort)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+
+class RunDirectoryError(ValueError):
+    "A run directory is in use by another process, or holds the files of another run."
+
+
+_HELD: dict[str, int] = {}  # run directories this process holds: resolved path -> lock file descriptor
+
+
+@contextmanager
+def run_lock(out_dir: str | os.PathLike):
+    """Hold a run directory for one run: an exclusive `fcntl.flock` on `out_dir/.lock`, which records the pid. The
+    operating system releases it when the process ends, however it ends, so a crash never leaves it stuck. A second
+    process gets a `RunDirectoryError` that names the pid holding it. Re-entrant within one process; temporary files
+    that a killed run left behind are removed once the lock is held. No lock where `fcntl` is missing (Windows)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirectoryError(f"{out} is a file, not a directory; pass a directory for the run (it is created if missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    key = str(out.resolve())
+    if fcntl is None or key in _HELD:
+        yield out
+        return
+    lock = out / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not lock.exists() or os.stat(lock).st_ino != os.fstat(fd).st_ino:
+            raise BlockingIOError   # the holder removed the file as we opened it: another run got there first
+    except OSError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); wait for it to end, "
+                                f"or train into another directory (--out)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[key] = fd
+    try:
+        for stale in out.glob(".*.tmp"):           # a temporary file of a run that was killed mid-save
+            stale.unlink(missing_ok=True)
+        yield out
+    finally:
+        del _HELD[key]
+        lock.unlink(missing_ok=True)                # still held: nobody can take it between these two lines
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
 
 
 @torch.no_grad()
@@ -422,11 +558,34 @@ def _round(record: dict) -> dict:
     return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in record.items()}
 
 
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The records of a `metrics.jsonl`, one dict a line. A last line cut short (the run was killed while writing
+    it) is dropped with a warning; a damaged line before it is a `TrainingError` that names the file and line."""
+    path = Path(path)
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            if not isinstance(record, dict) or "step" not in record:
+                raise ValueError("not a metrics record")
+        except ValueError as e:
+            if number == len(lines):
+                warnings.warn(f"{path}: dropped its last line, cut short ({line[:40]!r}...): the run was stopped "
+                              f"while writing it", stacklevel=2)
+                break
+            raise TrainingError(f"{path}, line {number}: not a metrics record ({e}); fix or delete that line") from None
+        records.append(record)
+    return records
+
+
 def _keep_lines_until(path: Path, step: int) -> None:
-    "After a resume from `step`, forget metrics a crashed session wrote past it."
+    "After a resume from `step`, forget metrics a crashed session wrote past it (and a last line cut short)."
     if path.exists():
-        lines = [l for l in path.read_text().splitlines() if l.strip() and json.loads(l)["step"] <= step]
-        path.write_text("".join(l + "\n" for l in lines))
+        kept = [r for r in read_metrics(path) if r["step"] <= step]
+        atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)), mode="w")
 
 
 def _check_resumable(saved: dict, config: "TrainConfig", model: Transformer, path: Path) -> None:
@@ -444,18 +603,35 @@ def _check_resumable(saved: dict, config: "TrainConfig", model: Transformer, pat
 # %% ../book/08_training.ipynb #c031
 def train(model: Transformer, train_examples: list, val_examples: list | None = None,
           config: TrainConfig | None = None, *, out_dir: str | os.PathLike | None = None,
-          resume: bool = False, on_eval=None, progress: bool = True) -> TrainResult:
+          resume: bool = False, on_eval=None, progress: bool = True, run: dict | None = None) -> TrainResult:
     """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples.
 
-    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given; `resume=True` continues
-    from `out_dir/last.pt`. `on_eval(model, step) -> dict` adds metrics at each evaluation (a
-    `"bleu"` key then picks `best.pt`). Runs under torchrun with DDP when a process group exists."""
+    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the directory's
+    `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`, and without it a directory that
+    already holds a run is refused. `on_eval(model, step) -> dict` adds metrics at each evaluation (a
+    `"bleu"` key then picks `best.pt`). `run` is recorded in every checkpoint (see `save_checkpoint`).
+    Ctrl-C or SIGTERM stops after the current step and saves `last.pt` (`stopped="interrupted"`).
+    Runs under torchrun with DDP when a process group exists."""
     config = config or TrainConfig()
     if not train_examples:
         raise ValueError("train_examples is empty; pass a list of (src_ids, tgt_ids) pairs")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume=True needs out_dir, the directory that holds last.pt")
+    if out is None or world()[0] != 0:
+        return _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run)
+    with run_lock(out):
+        if resume and not (out / "last.pt").exists():
+            raise RunDirectoryError(f"{out} holds no last.pt to resume from")
+        found = [name for name in ("last.pt", "metrics.jsonl") if (out / name).exists()]
+        if found and not resume:
+            raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); resume it (resume=True, "
+                                    f"--resume) or train into another directory")
+        return _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run)
+
+
+def _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run) -> TrainResult:
+    "The loop of `train`, its arguments checked and its directory held."
     device = next(model.parameters()).device
     rank, world_size = world()
     pieces = world_size * config.accum_steps
@@ -500,7 +676,7 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     def save(name: str) -> None:
         nonlocal saved_step
         if out is not None and rank == 0:
-            save_checkpoint(out / name, model, optimizer, config, {**at, "best": best})
+            save_checkpoint(out / name, model, optimizer, config, {**at, "best": best}, run)
         if name == "last.pt":
             saved_step = at["step"]
 
@@ -576,7 +752,7 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
                 bar.update(1)
                 snapshot = at["step"] % (config.snapshot_every or config.eval_every) == 0 or done
                 if config.keep_checkpoints and snapshot and out is not None and rank == 0:
-                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model, progress={"step": at["step"]})
+                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model, progress={"step": at["step"]}, run=run)
                     for old in sorted(out.glob("step-*.pt"))[:-config.keep_checkpoints]:
                         old.unlink()
                 if (at["step"] % config.eval_every == 0 or done) and stopped != "interrupted":
@@ -608,7 +784,8 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
         bar.close()
     return TrainResult(step=at["step"], epoch=at["epoch"], epochs=at["epoch"] + at["batch"] / len(steps),
                        stopped=stopped, train_seconds=at["seconds"],
-                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history)
+                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history,
+                       signal=ctrl_c.signum)
 
 # %% ../book/08_training.ipynb #c036b
 def average_checkpoints(paths) -> dict:
