@@ -1,8 +1,12 @@
 """transformer.bench: the reference computes our function, the FLOP count and the memory probe are exact,
 and the benchmark runs end to end on real Multi30k batches, feeding both models the same inputs.
 No assertion here reads a clock."""
+import errno
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +22,7 @@ from transformer.masking import causal_mask
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, PAD
 
+ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 
 # one thread: on a busy two-core machine two OpenMP threads wait on each other (slow, not wrong)
@@ -170,6 +175,50 @@ def test_bench_writes_json_file(tmp_path, capsys):
     table = capsys.readouterr().out
     saved = json.loads(out.read_text())
     assert table.strip().splitlines()[-1] == f"speedup_vs_nn: {saved['speedup_vs_nn']:.2f}"
+    assert [p.name for p in out.parent.iterdir()] == ["bench.json"]          # no temporary file left behind
+
+
+@pytest.mark.parametrize("where", ["under a file", "deeper under a file", "a directory"])
+def test_bad_out_is_refused_before_the_benchmark(where, tmp_path, capsys, monkeypatch):
+    "A wrong --out fails at once (the benchmark never starts): one line on stderr, exit 2, nothing written."
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep")
+    out = {"under a file": a_file / "bench.json", "deeper under a file": a_file / "sub" / "bench.json",
+           "a directory": tmp_path}[where]
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--out", str(out)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("python -m transformer bench: error: --out "), err
+    assert ("is a directory" if where == "a directory" else f"{a_file} is a file") in err
+    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and a_file.read_text() == "keep"
+
+
+def test_bad_out_from_the_command_line(tmp_path):
+    "The same through `python -m transformer bench`: exit code 2, one line, no traceback."
+    result = subprocess.run([sys.executable, "-m", "transformer", "bench", "--out", str(tmp_path)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "is a directory" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_out_is_written_all_or_nothing(tmp_path, capsys, monkeypatch):
+    "A write that fails at the end leaves the old file as it was, no temporary file, and the result on stdout."
+    out = tmp_path / "bench.json"
+    out.write_text("old")
+    monkeypatch.setattr(bench, "run_bench", lambda *a, **k: {"speedup_vs_nn": 1.5})
+
+    def full_disk(src, dst):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(bench.os, "replace", full_disk)
+    assert bench.main(["--json", "--out", str(out)]) == 1
+    captured = capsys.readouterr()
+    assert json.loads(captured.out) == {"speedup_vs_nn": 1.5, "command": f"python -m transformer bench --json --out {out}"}
+    assert captured.err.count("\n") == 1 and "No space left on device" in captured.err
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"] and out.read_text() == "old"
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -178,6 +227,7 @@ def test_bench_writes_json_file(tmp_path, capsys):
     (["--max-tokens", "0"], r"--max-tokens=0 must be >= 1"),
     (["--threads", "0"], r"--threads=0 must be >= 1"),
     (["--warmup", "-1"], r"--warmup=-1 must be >= 0"),
+    (["--peak-tflops", "0"], r"--peak-tflops=0.0 must be > 0"),
     (["--preset", "huge"], r"invalid choice: 'huge'"),
     (["--device", "tpu"], r"invalid choice: 'tpu'"),
 ])

@@ -1,8 +1,10 @@
 """The book builds with warnings as errors, and its interactive charts render with no network."""
 import json
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -58,26 +60,58 @@ def test_chart_specs_compile(chapter):
         vl_convert.vegalite_to_vega(spec)
 
 
+BROWSER_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable", "chrome")
+BROWSER_PATHS = ("/Applications/Google Chrome.app/Contents/MacOS/Google Chrome",   # macOS
+                 "/Applications/Chromium.app/Contents/MacOS/Chromium",
+                 "/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome",
+                 "/snap/bin/chromium", "/opt/google/chrome/chrome")
+NO_BROWSER = ("no Chrome/Chromium found: browser checks skipped; install Chromium or Google Chrome, "
+              "or set TRANSFORMER_BROWSER=/path/to/chrome")
+
+
+def _is_executable(path: str) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def _on_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
 def _browser() -> str:
-    for name in ("chromium", "chromium-browser", "google-chrome"):
-        if shutil.which(name):
-            return shutil.which(name)
-    pytest.fail("no headless browser found: install Debian's `chromium` (apt-get install chromium); .ci/run does")
+    """A headless Chrome or Chromium: $TRANSFORMER_BROWSER, else the first on PATH, else a standard install
+    location. None found: a failure under CI (which installs one), a skip with the way to get one elsewhere."""
+    named = os.environ.get("TRANSFORMER_BROWSER")
+    if named:
+        found = shutil.which(named)
+        if not found:
+            pytest.fail(f"TRANSFORMER_BROWSER={named!r} is not an executable file; point it at Chrome or Chromium")
+        return found
+    for found in [shutil.which(name) for name in BROWSER_NAMES] + [p for p in BROWSER_PATHS if _is_executable(p)]:
+        if found:
+            return found
+    if _on_ci():
+        pytest.fail("no headless browser found: install Debian's `chromium` (apt-get install chromium); .ci/run does")
+    pytest.skip(NO_BROWSER)
+
+
+@pytest.fixture(scope="session")
+def browser() -> str:
+    return _browser()
 
 
 CHART_PAGES = [c for c in CHAPTERS if _chart_specs(ROOT / f"{c}.ipynb")]
 
 
-def _render(page: Path, profile: Path) -> str:
+def _render(page: Path, profile: Path, browser: str) -> str:
     "The page's DOM after its scripts ran, in headless Chromium with no network."
-    result = subprocess.run([_browser(), *CHROME_FLAGS, f"--user-data-dir={profile}", page.as_uri()],
+    result = subprocess.run([browser, *CHROME_FLAGS, f"--user-data-dir={profile}", page.as_uri()],
                             capture_output=True, text=True, timeout=120)
     assert "<body" in result.stdout, f"the browser returned no page for {page}:\n{result.stderr[-2000:]}"
     return result.stdout
 
 
-def test_math_renders_offline(built_book, tmp_path):
-    dom = _render(built_book / "book" / "00_bottleneck.html", tmp_path)
+def test_math_renders_offline(browser, built_book, tmp_path):   # browser first: no browser, no book build
+    dom = _render(built_book / "book" / "00_bottleneck.html", tmp_path, browser)
     n_math = dom.count('class="math')
     assert n_math > 5, "expected displayed and inline math on the chapter page"
     assert dom.count("<mjx-container") >= n_math, "MathJax did not typeset every formula (is _static/mathjax there?)"
@@ -88,13 +122,47 @@ def test_some_chapters_have_charts():
 
 
 @pytest.mark.parametrize("chapter", CHART_PAGES)
-def test_charts_render_offline_in_a_browser(built_book, chapter, tmp_path):
+def test_charts_render_offline_in_a_browser(browser, built_book, chapter, tmp_path):
     page = built_book / f"{chapter}.html"
     n_charts = len(_chart_specs(ROOT / f"{chapter}.ipynb"))
-    dom = _render(page, tmp_path)
+    dom = _render(page, tmp_path, browser)
     assert "Error loading script" not in dom
     charts = re.findall(r'<div id="vis-[^"]+" class="book-chart[^"]*"[^>]*>(.*?)</div>\s*<script', dom, re.S)
     assert len(charts) == n_charts, f"{chapter}: {n_charts} charts stored, {len(charts)} on the page"
     failed = {i: re.sub(r"<[^>]+>", "", inner)[:200] for i, inner in enumerate(charts)
               if "<svg" not in inner and "<canvas" not in inner}
     assert not failed, f"{chapter}: charts did not render (no svg/canvas in their container): {failed}"
+
+
+
+@pytest.mark.parametrize("ci", [None, "true", "1", "false", "0"])
+def test_no_browser_skips_for_a_reader_and_fails_under_ci(ci, monkeypatch):
+    monkeypatch.delenv("TRANSFORMER_BROWSER", raising=False)
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    monkeypatch.setattr(sys.modules[__name__], "_is_executable", lambda path: False)
+    if ci is None:
+        monkeypatch.delenv("CI", raising=False)
+    else:
+        monkeypatch.setenv("CI", ci)
+    on_ci = ci in ("true", "1")
+    with pytest.raises(pytest.fail.Exception if on_ci else pytest.skip.Exception) as e:
+        _browser()
+    assert ("apt-get install chromium" if on_ci else NO_BROWSER) in str(e.value)
+
+
+def test_browser_search_order(monkeypatch):
+    "TRANSFORMER_BROWSER, then PATH, then the standard install locations."
+    monkeypatch.delenv("TRANSFORMER_BROWSER", raising=False)
+    monkeypatch.setenv("CI", "true")
+    executables = {"google-chrome-stable": "/usr/local/bin/google-chrome-stable", "/opt/my/chrome": "/opt/my/chrome"}
+    monkeypatch.setattr(shutil, "which", executables.get)
+    monkeypatch.setattr(sys.modules[__name__], "_is_executable",
+                        lambda path: path == "/Applications/Chromium.app/Contents/MacOS/Chromium")
+    assert _browser() == "/usr/local/bin/google-chrome-stable"
+    del executables["google-chrome-stable"]
+    assert _browser() == "/Applications/Chromium.app/Contents/MacOS/Chromium"
+    monkeypatch.setenv("TRANSFORMER_BROWSER", "/opt/my/chrome")
+    assert _browser() == "/opt/my/chrome"
+    monkeypatch.setenv("TRANSFORMER_BROWSER", "/nowhere/chrome")
+    with pytest.raises(pytest.fail.Exception, match="TRANSFORMER_BROWSER='/nowhere/chrome' is not an executable"):
+        _browser()

@@ -10,6 +10,7 @@ import math
 import os
 import statistics
 import sys
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass
@@ -490,6 +491,36 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _out_problem(path: Path) -> str | None:
+    "Why `--out path` could not be written at the end of a run (None: it can), found before the run starts."
+    if path.is_dir():
+        return f"{path} is a directory; name a file in it, e.g. --out {path / 'bench.json'}"
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())   # the nearest existing folder
+    if not existing.is_dir():
+        return f"{existing} is a file, not a directory; write into a directory, e.g. --out {existing.parent / 'bench.json'}"
+    try:
+        with tempfile.TemporaryFile(dir=existing):                 # can we create a file there? (removed at once)
+            pass
+    except OSError as e:
+        return f"cannot create a file in {existing} ({e.strerror}); choose a directory you can write to"
+    return None
+
+
+def _write_json(path: Path, result: dict) -> None:
+    "Write `result` to `path` all or nothing: a temporary file with a unique name beside it, then a rename."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+        os.chmod(tmp, 0o644)                                        # mkstemp's files are private (0600)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m transformer bench") -> int:
     "`python -m transformer bench`: print the table (or `--json`), last line `speedup_vs_nn: X.XX`."
     p = argparse.ArgumentParser(prog=prog, description=(
@@ -524,6 +555,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')}={value} must be >= 1")
+    if args.peak_tflops is not None and not args.peak_tflops > 0:
+        p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
+    try:
+        resolve_device(args.device)
+    except ValueError as e:
+        p.error(str(e))
+    if args.out is not None and (problem := _out_problem(args.out)):   # now, not after minutes of benchmark
+        p.exit(2, f"{p.prog}: error: --out {args.out}: {problem}\n")
     try:
         result = run_bench(args.preset, args.device, args.repeats, args.batches, args.max_tokens, args.vocab_size,
                            args.decode_sentences, args.compile, args.threads, args.peak_tflops, args.bf16, args.seed,
@@ -531,10 +570,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     except ValueError as e:
         p.error(str(e))
     result["command"] = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result) if args.json else format_table(result))
+    if args.out is not None:
+        try:
+            _write_json(args.out, result)
+        except OSError as e:                                       # e.g. the disk filled up during the run
+            print(f"{p.prog}: error: could not write --out {args.out} ({e.strerror or e}); the result is printed "
+                  f"above", file=sys.stderr)
+            return 1
     return 0
 
 

@@ -556,10 +556,10 @@ def cmd_evaluate(args) -> int:
         raise CLIError("--src-file and --ref-file go together: pass both, or neither and --split")
     if args.src_file and args.split:
         raise CLIError("pass either --split or --src-file/--ref-file, not both")
-    model, tokenizer, config = _setup_inference(args)
-    if args.src_file:
+    if args.src_file:                          # the files are read before the model loads: a bad one fails at once
         pairs, where = read_parallel(args.src_file, args.ref_file), f"{args.src_file} -> {args.ref_file}"
-    else:
+    model, tokenizer, config = _setup_inference(args)
+    if not args.src_file:
         data = config.get("data", {})
         if "src" not in data or "tgt" not in data:
             raise CLIError(f"{args.model}/config.json does not say the languages; use --src-file/--ref-file")

@@ -306,7 +306,8 @@ def model_bytes(config: TransformerConfig) -> int:
     d, f, n = config.d_model, config.d_ff, config.n_layers
     attention, ffn, norm = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
     layers = n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm) + 2 * norm
-    tables = (config.src_vocab + 2 * config.tgt_vocab) * d + config.tgt_vocab + config.max_len * d
+    vocab = max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings else config.src_vocab + 2 * config.tgt_vocab
+    tables = vocab * d + config.tgt_vocab + config.max_len * d      # embeddings (+ generator), its bias, PE
     return 4 * (layers + tables)
 
 
