@@ -12,7 +12,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
-CHAPTERS = [c["file"] for part in TOC["parts"] for c in part["chapters"]]
+CHAPTERS = [entry["file"] for part in TOC["parts"] for c in part["chapters"]
+            for entry in [c, *c.get("sections", [])]]   # a chapter's second notebook is its section N.1
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--virtual-time-budget=20000", "--dump-dom"]
@@ -39,7 +40,7 @@ def built_book(tmp_path_factory) -> Path:
 
 
 def test_toc_lists_every_chapter_notebook():
-    on_disk = {f"book/{p.stem}" for p in (ROOT / "book").glob("[0-9]*.ipynb")}
+    on_disk = {f"book/{p.stem}" for p in [*(ROOT / "book").glob("[0-9]*.ipynb"), *(ROOT / "book").glob("[a-z]_*.ipynb")]}
     assert on_disk == set(CHAPTERS), f"_toc.yml and book/ disagree: only in toc {set(CHAPTERS) - on_disk}, only on disk {on_disk - set(CHAPTERS)}"
 
 
@@ -111,7 +112,7 @@ def _render(page: Path, profile: Path, browser: str) -> str:
 
 
 def test_math_renders_offline(browser, built_book, tmp_path):   # browser first: no browser, no book build
-    dom = _render(built_book / "book" / "00_bottleneck.html", tmp_path, browser)
+    dom = _render(built_book / "book" / "00_why_attention.html", tmp_path, browser)
     n_math = dom.count('class="math')
     assert n_math > 5, "expected displayed and inline math on the chapter page"
     assert dom.count("<mjx-container") >= n_math, "MathJax did not typeset every formula (is _static/mathjax there?)"
@@ -166,3 +167,53 @@ def test_browser_search_order(monkeypatch):
     monkeypatch.setenv("TRANSFORMER_BROWSER", "/nowhere/chrome")
     with pytest.raises(pytest.fail.Exception, match="TRANSFORMER_BROWSER='/nowhere/chrome' is not an executable"):
         _browser()
+
+
+def _number(stem: str) -> str:
+    "The number a notebook's file name gives its title: 07_1_model -> '7.1', 10_evaluation -> '10', a_data -> 'A'."
+    parts = stem.split("_")
+    if parts[0].isdigit():
+        return ".".join([str(int(parts[0]))] + ([parts[1]] if parts[1].isdigit() else []))
+    return parts[0].upper()
+
+
+def test_titles_numbers_and_toc_agree():
+    "One number per main-line chapter, its section N.1 nested under it, appendices A-D at the end; no 1a/8d."
+    sections = {s["file"]: c["file"] for part in TOC["parts"] for c in part["chapters"] for s in c.get("sections", [])}
+    for chapter in CHAPTERS:
+        stem = chapter.split("/")[-1]
+        first = json.loads((ROOT / f"{chapter}.ipynb").read_text())["cells"][0]
+        title = "".join(first["source"]).splitlines()[0]
+        number = _number(stem)
+        assert re.match(rf"# {re.escape(number)}\.? ", title), f"{chapter}: title {title!r} should start with '# {number}'"
+        assert not re.search(r"# \d+[a-z]\b", title), f"{chapter}: a lettered number in {title!r}"
+        if "." in number:
+            parent = sections.get(chapter)
+            assert parent is not None and _number(parent.split("/")[-1]) == number.split(".")[0], \
+                f"{chapter} ({number}) must be a section of chapter {number.split('.')[0]} in _toc.yml"
+    numbers = [_number(c.split("/")[-1]) for c in CHAPTERS]
+    main = [n for n in numbers if n[0].isdigit() and "." not in n]
+    assert main == sorted(main, key=int) and len(set(main)) == len(main), main
+    appendices = [n for n in numbers if n.isalpha()]
+    assert numbers[-len(appendices):] == sorted(appendices), "appendices come last, in order"
+    index = (ROOT / "book" / "index.md").read_text()
+    for chapter in CHAPTERS:
+        assert f"({chapter.split('/')[-1]}.ipynb)" in index, f"book/index.md does not link {chapter}"
+
+
+CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_no_control_characters(chapter):
+    "A stray control character (a BEL where '\\a' of '\\approx' was meant) renders as garbage; none anywhere."
+    notebook = json.loads((ROOT / f"{chapter}.ipynb").read_text())
+    for cell in notebook["cells"]:
+        texts = ["".join(cell["source"])]
+        for out in cell.get("outputs", []):
+            texts.append("".join(out.get("text", "")))
+            texts += ["".join(v) for k, v in out.get("data", {}).items() if k.startswith("text/")]
+        for text in texts:
+            bad = CONTROL.search(text)
+            assert bad is None, f"{chapter}, cell {cell.get('id')}: control character {bad.group()!r} in " \
+                                f"{text[max(0, bad.start() - 30):bad.start() + 10]!r}"

@@ -1,4 +1,4 @@
-"""Chapter 08d, cli.py: `python -m transformer train|translate|evaluate`, end to end on Multi30k, and every bad input."""
+"""Appendix C, cli.py: `python -m transformer train|translate|evaluate`, end to end on Multi30k, and every bad input."""
 import contextlib
 import io
 import json
@@ -180,7 +180,7 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
-    ("no command", [], 2, "required: {train,translate,evaluate,bench}"),
+    ("no command", [], 2, "required: {train,translate,evaluate,export,bench}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),
     ("same languages", ["train", "--src", "de", "--tgt", "de"], 1, "both 'de'"),
@@ -466,3 +466,26 @@ def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     code, stdout, err = run(*[a if a != 100000 else step + 2 for a in argv], "--resume")
     assert code == 0, err
     assert json.loads((out / "results.json").read_text())["steps"] == step + 2
+
+
+def test_export_writes_a_small_model_that_translates(trained, tmp_path):
+    from transformer.data import sha256_file
+    from transformer.training import load_checkpoint
+    out = tmp_path / "model"
+    code, stdout, err = run("export", "--model", trained[0], "--out", out)
+    assert code == 0, err
+    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "config.json", "results.json", "tokenizer.model"]
+    info = json.loads((out / "results.json").read_text())
+    chosen = json.loads((trained[0] / "results.json").read_text())["checkpoint"]
+    assert info["weights_sha256"] == sha256_file(out / "best.pt") and info["dtype"] == "float16"
+    assert info["source_checkpoint"] == f"{chosen}.pt" and info["source_results"]["bleu"] >= 0
+    state = load_checkpoint(out / "best.pt")                                   # weights_only=True
+    assert all(v.dtype == torch.float16 for v in state["model"].values() if v.is_floating_point())
+    full = load_checkpoint(trained[0] / f"{chosen}.pt")["model"]
+    assert all(torch.allclose(state["model"][k].float(), v, rtol=1e-3, atol=1e-4) for k, v in full.items()
+               if v.is_floating_point())
+    assert (out / "best.pt").stat().st_size < 0.6 * (trained[0] / f"{chosen}.pt").stat().st_size
+    code, stdout, err = run("translate", "--model", out, "--beam", 1, "Ein Hund läuft.")
+    assert code == 0 and stdout.strip(), err
+    code, stdout, err = run("export", "--model", trained[0], "--out", out)
+    assert_one_line_error(code, stdout, err, 1, "exists and is not an empty directory")

@@ -1,4 +1,4 @@
-"""Chapter 08a, decoding.py: greedy and beam search, length penalty, translate."""
+"""Chapter 9, decoding.py: greedy and beam search, length penalty, translate."""
 import random
 
 import pytest

@@ -1,4 +1,4 @@
-"""Chapter 08b, evaluation.py: BLEU (cased and lowercased), chrF, scoring a model."""
+"""Chapter 10, evaluation.py: BLEU (cased and lowercased), chrF, scoring a model."""
 import math
 from collections import Counter
 

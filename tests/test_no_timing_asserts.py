@@ -5,7 +5,7 @@ pass or fail on it. The scanner below reads every code cell of book/*.ipynb (cel
 skipped) and every tests/*.py with `ast`, and follows timings through the code:
 
 - sources: calls of time.perf_counter / time / monotonic / process_time / thread_time (and their _ns forms),
-  anything from `timeit`, and `run_bench(...)` (the benchmark of chapter 9);
+  anything from `timeit`, and `run_bench(...)` (the benchmark of appendix D);
 - a name is tainted when it is assigned (=, +=, for-targets, with-targets, tuple unpacking, `x[k] = ...`,
   `x.append(...)` and friends) from an expression that mentions a source or a tainted name; assigning a clean
   value clears it (statements are read in order);

@@ -1,7 +1,7 @@
 """`python -m transformer train|translate|evaluate|bench`.
 
-Hand-written: train/translate/evaluate are `transformer.cli` (chapter 8); `bench` is
-`transformer.bench` (chapter 9), dispatched here because cli.py must not import a later chapter.
+Hand-written: train/translate/evaluate are `transformer.cli` (appendix C); `bench` is
+`transformer.bench` (appendix D), dispatched here because cli.py must not import a later appendix.
 """
 import sys
 

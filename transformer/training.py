@@ -208,6 +208,12 @@ class SaveError(OSError):
         return self.strerror or super().__str__()
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a name no other writer
     uses, which is flushed to the disk and then renamed over `path`. On any error the temporary file is removed
@@ -216,6 +222,7 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual permissions
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
