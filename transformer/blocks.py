@@ -10,7 +10,7 @@ from torch import nn
 from .heads import MultiHeadAttention
 
 # %% auto #0
-__all__ = ['FeedForward', 'dropout_mask', 'Dropout', 'EncoderLayer', 'DecoderLayer', 'Encoder', 'Decoder']
+__all__ = ['FeedForward', 'EncoderLayer', 'DecoderLayer', 'Encoder', 'Decoder', 'dropout_mask', 'Dropout']
 
 # %% ../book/06_blocks.ipynb #c005
 class FeedForward(nn.Module):
@@ -24,39 +24,6 @@ class FeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (B, T, d_model)
         hidden = torch.relu(self.w_1(x))                             # (B, T, d_ff)
         return self.w_2(self.dropout(hidden))                        # (B, T, d_model)
-
-# %% ../book/06_blocks.ipynb #c015b
-def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The scaled keep-mask of dropout, shaped like `like`: 0 with probability p' = round(p * 2^15) / 2^15,
-    else 1 / (1 - p'). Four 15-bit uniform integers come from each 64-bit random draw."""
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"dropout probability p={p} must be in [0, 1)")
-    n = like.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()   # uniform on [0, 2^63)
-    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF    # 4 per word, each uniform on [0, 2^15)
-    cut = round(p * 2**15)                                            # drop when draw < cut: P = cut / 2^15
-    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype, device=like.device)
-    return torch.where(draws >= cut, scale, scale.new_zeros(()))   # 1/(1 - p') or 0, in the dtype asked for
-
-
-class Dropout(nn.Dropout):
-    """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p is rounded to a multiple
-    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices, and under `torch.compile`
-    (which fuses dropout into its own kernels): PyTorch's dropout."""
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training or self.p == 0:
-            return x
-        if x.device.type != "cpu" or torch.compiler.is_compiling():
-            return F.dropout(x, self.p, training=True)
-        return x * dropout_mask(x, self.p)
-
-    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        "x + Dropout(y): the sub-layer output y, dropped out, added to the residual stream x."
-        if not self.training or self.p == 0:
-            return x + y
-        if y.device.type != "cpu" or torch.compiler.is_compiling():
-            return x + F.dropout(y, self.p, training=True)
-        return torch.addcmul(x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))
 
 # %% ../book/06_blocks.ipynb #c016
 class EncoderLayer(nn.Module):
@@ -166,3 +133,36 @@ class Decoder(nn.Module):
         for layer in self.layers:
             y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal)
         return self.norm(y)                                          # (B, T_tgt, d_model)
+
+# %% ../book/d_performance.ipynb #c015b
+def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The scaled keep-mask of dropout, shaped like `like`: 0 with probability p' = round(p * 2^15) / 2^15,
+    else 1 / (1 - p'). Four 15-bit uniform integers come from each 64-bit random draw."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability p={p} must be in [0, 1)")
+    n = like.numel()
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()   # uniform on [0, 2^63)
+    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF    # 4 per word, each uniform on [0, 2^15)
+    cut = round(p * 2**15)                                            # drop when draw < cut: P = cut / 2^15
+    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype, device=like.device)
+    return torch.where(draws >= cut, scale, scale.new_zeros(()))   # 1/(1 - p') or 0, in the dtype asked for
+
+
+class Dropout(nn.Dropout):
+    """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p is rounded to a multiple
+    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices, and under `torch.compile`
+    (which fuses dropout into its own kernels): PyTorch's dropout."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x
+        if x.device.type != "cpu" or torch.compiler.is_compiling():
+            return F.dropout(x, self.p, training=True)
+        return x * dropout_mask(x, self.p)
+
+    def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        "x + Dropout(y): the sub-layer output y, dropped out, added to the residual stream x."
+        if not self.training or self.p == 0:
+            return x + y
+        if y.device.type != "cpu" or torch.compiler.is_compiling():
+            return x + F.dropout(y, self.p, training=True)
+        return torch.addcmul(x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))

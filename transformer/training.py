@@ -35,12 +35,7 @@ from .masking import teacher_forcing
 from .model import Transformer, TransformerConfig
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'fused_smoothed_cross_entropy',
-           'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples',
-           'Seq2SeqLoss', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
-           'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult',
-           'cpu_has_bf16_units', 'world', 'init_distributed', 'RunDirectoryError', 'run_lock', 'evaluate_loss',
-           'read_metrics', 'train', 'average_checkpoints']
+__all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world', 'init_distributed', 'RunDirectoryError', 'run_lock', 'evaluate_loss', 'read_metrics', 'train', 'average_checkpoints', 'fused_smoothed_cross_entropy']
 
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -66,50 +61,6 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
                          f"{tuple(target.shape)}; expected logits of shape target.shape + (V,)")
     keep = target != pad_id                                   # (...) True on real tokens
     return smoothed_cross_entropy(logits[keep], target[keep], epsilon)  # only the n real positions
-
-# %% ../book/08_training.ipynb #c010b
-class _FusedSmoothedCrossEntropy(torch.autograd.Function):
-    "Label-smoothed cross-entropy with the gradient computed blockwise in the forward pass."
-
-    @staticmethod
-    def forward(ctx, logits, target, epsilon, rows):
-        n, V = logits.shape
-        acc = torch.promote_types(logits.dtype, torch.float32)         # float32 at least, as the teaching path
-        grad = torch.empty_like(logits)                                # dL/dz = p - q, in the logits' dtype
-        loss = torch.zeros((), dtype=acc, device=logits.device)
-        nll = torch.zeros((), dtype=acc, device=logits.device)
-        for i in range(0, n, rows):                                    # a block of rows stays in the cache
-            logp = logits[i:i + rows].to(acc).log_softmax(-1)          # (r, V)
-            t = target[i:i + rows, None]                               # (r, 1)
-            block_nll = -logp.gather(-1, t).sum()
-            nll += block_nll
-            loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
-            p_minus_q = logp.exp_().sub_(epsilon / V)                  # p - eps/V, in place of logp
-            p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
-            grad[i:i + rows] = p_minus_q
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(nll)
-        ctx.used = False
-        return loss, nll
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_nll):
-        if ctx.used:
-            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice (retain_graph=True); "
-                               "use smoothed_cross_entropy for that")
-        ctx.used = True
-        grad, = ctx.saved_tensors
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None
-
-
-def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same gradient for the loss, computed
-    blockwise in the forward pass. The NLL carries no gradient (it is for reporting); one backward pass only."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
-        return smoothed_cross_entropy(logits, target, epsilon)
-    rows = max(1, 2**20 // logits.size(-1))                            # about 4 MB of float32 per block
-    return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
 
 # %% ../book/08_training.ipynb #c012
 def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> float:
@@ -818,3 +769,47 @@ def average_checkpoints(paths) -> dict:
     mean = {k: (v / len(paths)).to(weights[k].dtype) if v.is_floating_point() else v for k, v in total.items()}
     return {"format": CHECKPOINT_FORMAT, "model_config": config, "model": mean,
             "progress": {"averaged": [p.name for p in paths]}}
+
+# %% ../book/d_performance.ipynb #c010b
+class _FusedSmoothedCrossEntropy(torch.autograd.Function):
+    "Label-smoothed cross-entropy with the gradient computed blockwise in the forward pass."
+
+    @staticmethod
+    def forward(ctx, logits, target, epsilon, rows):
+        n, V = logits.shape
+        acc = torch.promote_types(logits.dtype, torch.float32)         # float32 at least, as the teaching path
+        grad = torch.empty_like(logits)                                # dL/dz = p - q, in the logits' dtype
+        loss = torch.zeros((), dtype=acc, device=logits.device)
+        nll = torch.zeros((), dtype=acc, device=logits.device)
+        for i in range(0, n, rows):                                    # a block of rows stays in the cache
+            logp = logits[i:i + rows].to(acc).log_softmax(-1)          # (r, V)
+            t = target[i:i + rows, None]                               # (r, 1)
+            block_nll = -logp.gather(-1, t).sum()
+            nll += block_nll
+            loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
+            p_minus_q = logp.exp_().sub_(epsilon / V)                  # p - eps/V, in place of logp
+            p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
+            grad[i:i + rows] = p_minus_q
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(nll)
+        ctx.used = False
+        return loss, nll
+
+    @staticmethod
+    def backward(ctx, grad_loss, grad_nll):
+        if ctx.used:
+            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice (retain_graph=True); "
+                               "use smoothed_cross_entropy for that")
+        ctx.used = True
+        grad, = ctx.saved_tensors
+        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None
+
+
+def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
+    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same gradient for the loss, computed
+    blockwise in the forward pass. The NLL carries no gradient (it is for reporting); one backward pass only."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
+        return smoothed_cross_entropy(logits, target, epsilon)
+    rows = max(1, 2**20 // logits.size(-1))                            # about 4 MB of float32 per block
+    return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
