@@ -124,6 +124,12 @@ def test_evaluate_split_json_and_files(trained, tmp_path):
     assert code == 0 and json.loads(stdout2)["bleu"] == pytest.approx(s["bleu"])
     code, stdout3, _ = run("evaluate", "--model", out, "--split", "val", "--limit", 8, "--beam", 1)
     assert code == 0 and "BLEU" in stdout3 and "chrF" in stdout3
+    code, stdout4, err = run("evaluate", "--model", out, "--split", "val", "--limit", 8, "--beam", 1, "--json",
+                             "--output", tmp_path / "hyps.en")
+    assert code == 0 and json.loads(stdout4)["bleu"] == pytest.approx(s["bleu"]), err
+    hyps = (tmp_path / "hyps.en").read_text().splitlines()
+    from transformer.evaluation import score
+    assert len(hyps) == 8 and score(hyps, [p[1] for p in pairs])["bleu"] == pytest.approx(s["bleu"])
 
 
 def test_resume_continues_and_refuses_changes(trained, tmp_path):
@@ -212,6 +218,8 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("averaged asked, absent", ["translate", "--model", "TMP/corrupt", "--checkpoint", "averaged", "x"], 1,
      "holds no averaged.pt (train --average N writes it); use --checkpoint best (best.pt)"),
     ("bench through cli.main", ["bench"], 1, "python -m transformer bench --help"),
+    ("--output is a directory", ["evaluate", "--model", "TMP/empty", "--output", "TMP/empty"], 1,
+     "empty: name a file in an existing directory"),
     ("missing source file, checked before the model", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/no.de",
                                                        "--ref-file", "TMP/no.en"], 1, "no.de: no such file"),
 ]

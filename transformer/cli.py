@@ -29,7 +29,7 @@ from .model import PRESETS, Transformer, TransformerConfig
 from .training import (CheckpointError, RunDirectoryError, TrainConfig, TrainingError, atomic_write,
                                   average_checkpoints, epoch_batches, init_distributed, load_checkpoint, make_examples,
                                   model_from_checkpoint, read_metrics, run_lock, save_checkpoint, train)
-from .evaluation import bleu_callback, evaluate
+from .evaluation import bleu_callback, evaluate, score
 from .decoding import translate
 
 # %% auto #0
@@ -144,6 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--no-download", action="store_true")
             c.add_argument("--limit", type=_positive(int), metavar="N", help="score only the first N sentences")
             c.add_argument("--json", action="store_true", help="print one JSON object")
+            c.add_argument("--output", metavar="FILE", help="also write the translations, one per line, to FILE")
             c.set_defaults(run=cmd_evaluate)
     x = sub.add_parser("export", help="write a run's chosen weights, in half precision, as a small model directory",
                        description="Write a run's chosen weights (half precision by default), its tokenizer.model and "
@@ -567,6 +568,8 @@ def cmd_evaluate(args) -> int:
         raise CLIError("--src-file and --ref-file go together: pass both, or neither and --split")
     if args.src_file and args.split:
         raise CLIError("pass either --split or --src-file/--ref-file, not both")
+    if args.output and (Path(args.output).is_dir() or not Path(args.output).resolve().parent.is_dir()):
+        raise CLIError(f"--output {args.output}: name a file in an existing directory")
     if args.src_file:                          # the files are read before the model loads: a bad one fails at once
         pairs, where = read_parallel(args.src_file, args.ref_file), f"{args.src_file} -> {args.ref_file}"
     model, tokenizer, config = _setup_inference(args)
@@ -578,7 +581,12 @@ def cmd_evaluate(args) -> int:
         pairs = _pairs(args, split, data["src"], data["tgt"])
         where = f"{split} ({data['src']}->{data['tgt']})"
     pairs = pairs[:args.limit] if args.limit else pairs
-    s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)
+    if args.output:
+        hyps = translate(model, tokenizer, [src for src, _ in pairs], beam_size=args.beam, alpha=args.alpha)
+        atomic_write(args.output, lambda f: f.write("".join(h + "\n" for h in hyps)), mode="w")
+        s = score(hyps, [ref for _, ref in pairs])
+    else:
+        s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)
     if args.json:
         print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"], "chrf": s["chrf"], "data": where,
                           "sentences": len(pairs), "beam": args.beam, "alpha": args.alpha,
