@@ -497,3 +497,20 @@ def test_export_writes_a_small_model_that_translates(trained, tmp_path):
     assert code == 0 and stdout.strip(), err
     code, stdout, err = run("export", "--model", trained[0], "--out", out)
     assert_one_line_error(code, stdout, err, 1, "exists and is not an empty directory")
+
+
+def test_the_shipped_model_translates_on_a_fresh_clone():
+    "book/model: half-precision weights that load with weights_only=True, their sha256 recorded, no training needed."
+    from transformer.data import sha256_file
+    from transformer.training import load_checkpoint
+    model_dir = ROOT / "book" / "model"
+    info = json.loads((model_dir / "results.json").read_text())
+    assert info["weights_sha256"] == sha256_file(model_dir / "best.pt")
+    assert info["tokenizer_sha256"] == sha256_file(model_dir / "tokenizer.model")
+    state = load_checkpoint(model_dir / "best.pt")
+    assert info["dtype"] == "float16" and all(v.dtype == torch.float16 for v in state["model"].values()
+                                              if v.is_floating_point())
+    assert (model_dir / "best.pt").stat().st_size < 20 * 2**20
+    code, stdout, err = run("translate", "--model", model_dir, "Ein Hund läuft im Schnee.")
+    assert code == 0 and err == "", err
+    assert "dog" in stdout and "snow" in stdout, stdout
