@@ -217,7 +217,8 @@ def test_out_is_written_all_or_nothing(tmp_path, capsys, monkeypatch):
     assert bench.main(["--json", "--out", str(out)]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"speedup_vs_nn": 1.5, "command": f"python -m transformer bench --json --out {out}"}
-    assert captured.err.count("\n") == 1 and "No space left on device" in captured.err
+    assert captured.err.count("\n") == 1 and "no space left on the device while saving" in captured.err
+    assert "the previous bench.json is intact" in captured.err
     assert [p.name for p in tmp_path.iterdir()] == ["bench.json"] and out.read_text() == "old"
 
 

@@ -26,7 +26,7 @@ from .blocks import Dropout
 from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import Seq2SeqLoss, cpu_has_bf16_units
+from .training import Seq2SeqLoss, atomic_write, cpu_has_bf16_units
 from .cli import _provenance, keep_freed_memory
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a prototype: not our concern
@@ -507,18 +507,9 @@ def _out_problem(path: Path) -> str | None:
 
 
 def _write_json(path: Path, result: dict) -> None:
-    "Write `result` to `path` all or nothing: a temporary file with a unique name beside it, then a rename."
+    "Write `result` to `path` all or nothing (chapter 8's `atomic_write`)."
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(result, indent=1) + "\n")
-        os.chmod(tmp, 0o644)                                        # mkstemp's files are private (0600)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    atomic_write(path, lambda f: f.write(json.dumps(result, indent=1) + "\n"), mode="w")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m transformer bench") -> int:
