@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from .data import load_multi30k
-from .tokens import BOS, EOS, PAD, Embeddings, Tokenizer, pad_batch, token_batches
+from .tokens import (BOS, EOS, PAD, Embeddings, Tokenizer, pad_batch,
+                                token_batches)
 from .positions import PositionalEncoding
 from .blocks import Dropout
 from .masking import padding_mask
@@ -29,7 +30,8 @@ from .model import PRESETS, Transformer, TransformerConfig
 from .training import Seq2SeqLoss, atomic_write, cpu_has_bf16_units
 from .cli import _provenance, keep_freed_memory
 
-# nn.Transformer's inference fast path announces, once, that nested tensors are a prototype: not our concern
+# nn.Transformer's inference fast path announces, once, that nested tensors are a
+# prototype: not our concern
 warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
 
 # %% auto #0
@@ -39,43 +41,55 @@ __all__ = ['DEFAULT_MAX_TOKENS', 'PEAK_BF16_TFLOPS', 'DECODE_EXTRA', 'TorchTrans
 
 # %% ../book/d_performance.ipynb #r006
 class TorchTransformer(nn.Module):
-    """The reference: `torch.nn.Transformer` as the encoder-decoder core, wrapped in the same embeddings,
-    positional encoding and tied generator as our `Transformer`, with the same `encode`/`decode`/`forward`
-    signatures (our boolean masks, True = may attend). Only the N encoder and N decoder layers differ."""
+    """The reference: `torch.nn.Transformer` as the encoder-decoder core, wrapped in
+    the same embeddings, positional encoding and tied generator as our `Transformer`,
+    with the same `encode`/`decode`/`forward` signatures (our boolean masks, True = may
+    attend). Only the N encoder and N decoder layers differ."""
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = self.config = config
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)
-        self.pos.dropout = Dropout(c.dropout)                          # as ours (chapter 7): the clothes are the same
-        enc_layer = nn.TransformerEncoderLayer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True,
+        # as ours (chapter 7): the clothes are the same
+        self.pos.dropout = Dropout(c.dropout)
+        enc_layer = nn.TransformerEncoderLayer(c.d_model, c.h, c.d_ff, c.dropout,
+                                               batch_first=True,
                                                norm_first=c.norm_first)
-        dec_layer = nn.TransformerDecoderLayer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True,
+        dec_layer = nn.TransformerDecoderLayer(c.d_model, c.h, c.d_ff, c.dropout,
+                                               batch_first=True,
                                                norm_first=c.norm_first)
-        for layer in (enc_layer, dec_layer):  # dropout where ours has it; PyTorch's would drop everywhere
+        # dropout where ours has it; PyTorch's would drop everywhere
+        for layer in (enc_layer, dec_layer):
             layer.dropout = nn.Dropout(c.ffn_dropout)      # the FFN's hidden units
             layer.self_attn.dropout = c.attention_dropout  # the attention weights
         dec_layer.multihead_attn.dropout = c.attention_dropout
-        final_norm = (lambda: nn.LayerNorm(c.d_model)) if c.norm_first else (lambda: None)  # as ours: only pre-LN
+        # as ours: only pre-LN
+        final_norm = ((lambda: nn.LayerNorm(c.d_model)) if c.norm_first
+                      else (lambda: None))
         self.core = nn.Transformer(
             c.d_model, c.h, batch_first=True,
-            custom_encoder=nn.TransformerEncoder(enc_layer, c.n_layers, norm=final_norm(),
-                                                 enable_nested_tensor=not c.norm_first),
-            custom_decoder=nn.TransformerDecoder(dec_layer, c.n_layers, norm=final_norm()))
+            custom_encoder=nn.TransformerEncoder(
+                enc_layer, c.n_layers, norm=final_norm(),
+                enable_nested_tensor=not c.norm_first),
+            custom_decoder=nn.TransformerDecoder(
+                dec_layer, c.n_layers, norm=final_norm()))
         self.generator = nn.Linear(c.d_model, c.tgt_vocab)
         if c.tie_embeddings:
             self.generator.weight = self.tgt_embed.embedding.weight
             if c.src_vocab == c.tgt_vocab:
                 self.src_embed.embedding.weight = self.tgt_embed.embedding.weight
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        pad = (src == self.config.pad_id) if src_mask is None else ~src_mask[:, 0, 0, :]  # (B, S), True = pad
+    def encode(self, src: torch.Tensor,
+               src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        pad = ((src == self.config.pad_id) if src_mask is None
+               else ~src_mask[:, 0, 0, :])  # (B, S), True = pad
         x = self.pos(self.src_embed(src))
         if not (src.device.type == "cpu" and torch.is_autocast_enabled("cpu")):
             return self.core.encoder(x, src_key_padding_mask=pad)
-        # PyTorch's inference fast path of the encoder layer fails under CPU autocast (torch 2.13: "expected
-        # scalar type Float but found BFloat16"); the regular path is the same function
+        # PyTorch's inference fast path of the encoder layer fails under CPU autocast
+        # (torch 2.13: "expected scalar type Float but found BFloat16"); the regular
+        # path is the same function
         fastpath = torch.backends.mha.get_fastpath_enabled()
         torch.backends.mha.set_fastpath_enabled(False)
         try:
@@ -83,41 +97,52 @@ class TorchTransformer(nn.Module):
         finally:
             torch.backends.mha.set_fastpath_enabled(fastpath)
 
-    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor, src_mask: torch.Tensor | None = None,
+    def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
+               src_mask: torch.Tensor | None = None,
                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        "As `Transformer.decode`; `tgt_mask`, when given, must be one (T, T) mask for all rows, e.g. `causal_mask(T)`."
+        """As `Transformer.decode`; `tgt_mask`, when given, must be one (T, T) mask for
+        all rows, e.g. `causal_mask(T)`."""
         T = tgt_in.size(1)
-        memory_pad = None if src_mask is None else ~src_mask[:, 0, 0, :]           # (B, S), True = pad
+        memory_pad = (None if src_mask is None
+                      else ~src_mask[:, 0, 0, :])  # (B, S), True = pad
         if tgt_mask is None:      # the default of our model: causal and not padding
-            future = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)  # (T, T), True = masked
-            tgt_pad = tgt_in == self.config.pad_id                                   # (B, T)
+            future = torch.ones(T, T, dtype=torch.bool,
+                                device=tgt_in.device).triu(1)  # (T, T), True = masked
+            tgt_pad = tgt_in == self.config.pad_id             # (B, T)
         else:
             if tgt_mask.dim() == 4 and tgt_mask.shape[:2] == (1, 1):
                 tgt_mask = tgt_mask[0, 0]
             if tgt_mask.shape != (T, T):
-                raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) target mask for all rows, "
+                raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) "
+                                 "target mask for all rows, "
                                  f"got shape {tuple(tgt_mask.shape)}")
             future, tgt_pad = ~tgt_mask, None
         y = self.pos(self.tgt_embed(tgt_in))
-        return self.core.decoder(y, memory, tgt_mask=future, tgt_is_causal=tgt_mask is None,
-                                 tgt_key_padding_mask=tgt_pad, memory_key_padding_mask=memory_pad)
+        return self.core.decoder(y, memory, tgt_mask=future,
+                                 tgt_is_causal=tgt_mask is None,
+                                 tgt_key_padding_mask=tgt_pad,
+                                 memory_key_padding_mask=memory_pad)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         return self.generator(self.features(src, tgt_in))
 
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        "As ours: no source mask for a batch without padding, the causal hint alone in the decoder."
-        pad = src == self.config.pad_id                                              # (B, S), True = pad
+        """As ours: no source mask for a batch without padding, the causal hint alone in
+        the decoder."""
+        pad = src == self.config.pad_id  # (B, S), True = pad
         pad = pad if pad.any() else None
-        memory = self.core.encoder(self.pos(self.src_embed(src)), src_key_padding_mask=pad)
+        memory = self.core.encoder(self.pos(self.src_embed(src)),
+                                   src_key_padding_mask=pad)
         T = tgt_in.size(1)
         future = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)
-        return self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory, tgt_mask=future, tgt_is_causal=True,
+        return self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory,
+                                 tgt_mask=future, tgt_is_causal=True,
                                  memory_key_padding_mask=pad)
 
 # %% ../book/d_performance.ipynb #r008
 def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:
-    mha.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+    mha.in_proj_weight.copy_(
+        torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
     mha.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
     mha.out_proj.weight.copy_(ours.w_o.weight)
     mha.out_proj.bias.copy_(ours.w_o.bias)
@@ -125,11 +150,13 @@ def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:
 
 @torch.no_grad()
 def copy_weights(ours: Transformer, ref: TorchTransformer) -> TorchTransformer:
-    "Load our model's weights into the reference, so both compute the same function. Returns `ref`."
+    """Load our model's weights into the reference, so both compute the same function.
+    Returns `ref`."""
     ref.src_embed.load_state_dict(ours.src_embed.state_dict())
     ref.tgt_embed.load_state_dict(ours.tgt_embed.state_dict())
     ref.generator.load_state_dict(ours.generator.state_dict())
-    pairs = [*zip(ours.encoder.layers, ref.core.encoder.layers), *zip(ours.decoder.layers, ref.core.decoder.layers)]
+    pairs = [*zip(ours.encoder.layers, ref.core.encoder.layers),
+             *zip(ours.decoder.layers, ref.core.decoder.layers)]
     for mine, theirs in pairs:
         _copy_attention(theirs.self_attn, mine.self_attn)
         if hasattr(mine, "cross_attn"):
@@ -138,32 +165,40 @@ def copy_weights(ours: Transformer, ref: TorchTransformer) -> TorchTransformer:
         theirs.linear2.load_state_dict(mine.feed_forward.w_2.state_dict())
         for k in (1, 2, 3):
             if hasattr(mine, f"norm{k}"):
-                getattr(theirs, f"norm{k}").load_state_dict(getattr(mine, f"norm{k}").state_dict())
-    for mine, theirs in ((ours.encoder.norm, ref.core.encoder.norm), (ours.decoder.norm, ref.core.decoder.norm)):
+                getattr(theirs, f"norm{k}").load_state_dict(
+                    getattr(mine, f"norm{k}").state_dict())
+    for mine, theirs in ((ours.encoder.norm, ref.core.encoder.norm),
+                         (ours.decoder.norm, ref.core.decoder.norm)):
         if isinstance(mine, nn.LayerNorm):
             theirs.load_state_dict(mine.state_dict())
     return ref
 
 # %% ../book/d_performance.ipynb #r012
-DEFAULT_MAX_TOKENS = {"tiny": 3000, "small": 6000, "base": 25_000, "big": 25_000}  # padded slots per batch
+# padded slots per batch
+DEFAULT_MAX_TOKENS = {"tiny": 3000, "small": 6000, "base": 25_000, "big": 25_000}
 
 
 @dataclass
 class BenchData:
-    "What both models see: a joint tokenizer and a fixed list of padded Multi30k batches (src, tgt)."
+    """What both models see: a joint tokenizer and a fixed list of padded Multi30k
+    batches (src, tgt)."""
     vocab_size: int
-    batches: list[tuple[torch.Tensor, torch.Tensor]]  # src (B, S) = x EOS, tgt (B, T) = BOS y EOS
+    # src (B, S) = x EOS, tgt (B, T) = BOS y EOS
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def target_tokens(self) -> int:
-        "Real (non-pad) target tokens the model predicts over all batches: the unit of tokens/s."
+        """Real (non-pad) target tokens the model predicts over all batches: the unit of
+        tokens/s."""
         return sum(int((tgt[:, 1:] != PAD).sum()) for _, tgt in self.batches)
 
 
-def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 8000, src_lang: str = "de",
-               tgt_lang: str = "en", n_pairs: int | None = None, seed: int = 0) -> BenchData:
-    """Real batches: Multi30k train pairs, a joint sentencepiece vocabulary, `token_batches` with a budget
-    of `max_tokens` padded slots (length buckets), and `n_batches` of them drawn in the shuffled order."""
+def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 8000,
+               src_lang: str = "de", tgt_lang: str = "en", n_pairs: int | None = None,
+               seed: int = 0) -> BenchData:
+    """Real batches: Multi30k train pairs, a joint sentencepiece vocabulary,
+    `token_batches` with a budget of `max_tokens` padded slots (length buckets), and
+    `n_batches` of them drawn in the shuffled order."""
     pairs = load_multi30k(src_lang, tgt_lang, "train", progress=False)
     if n_pairs is not None:
         pairs = pairs[:n_pairs]
@@ -172,18 +207,23 @@ def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 800
     tgt = tok.encode_batch([t for _, t in pairs], bos=True, eos=True)
     order = token_batches(src, tgt, max_tokens, shuffle=True, seed=seed)
     if len(order) < n_batches:
-        raise ValueError(f"only {len(order)} batches of max_tokens={max_tokens} in {len(pairs)} pairs; "
+        raise ValueError(f"only {len(order)} batches of max_tokens={max_tokens} "
+                         f"in {len(pairs)} pairs; "
                          f"lower n_batches={n_batches} or max_tokens")
-    batches = [(pad_batch([src[i] for i in idx])[0], pad_batch([tgt[i] for i in idx])[0])
+    batches = [(pad_batch([src[i] for i in idx])[0],
+                pad_batch([tgt[i] for i in idx])[0])
                for idx in order[:n_batches]]
     return BenchData(tok.vocab_size, batches)
 
 # %% ../book/d_performance.ipynb #r015
-def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: torch.Tensor, tgt: torch.Tensor,
-               autocast: bool = False, criterion: nn.Module | None = None) -> torch.Tensor:
-    """One optimizer step as `train` takes it: chapter 8's `Seq2SeqLoss` (the teacher-forced `features`, the
-    generator on the real target tokens, the fused label-smoothed loss, epsilon 0.1), divided by the number of
-    target tokens, backward, Adam. `criterion`: that loss around `model`, e.g. compiled. Returns the mean loss."""
+def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: torch.Tensor,
+               tgt: torch.Tensor, autocast: bool = False,
+               criterion: nn.Module | None = None) -> torch.Tensor:
+    """One optimizer step as `train` takes it: chapter 8's `Seq2SeqLoss` (the
+    teacher-forced `features`, the generator on the real target tokens, the fused
+    label-smoothed loss, epsilon 0.1), divided by the number of target tokens, backward,
+    Adam. `criterion`: that loss around `model`, e.g. compiled. Returns the mean
+    loss."""
     criterion = criterion if criterion is not None else Seq2SeqLoss(model, 0.1)
     n_tokens = int((tgt[:, 1:] != PAD).sum())
     with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -195,26 +235,32 @@ def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: torch.Te
 
 # %% ../book/d_performance.ipynb #r019
 def train_flops(config: TransformerConfig, B: int, S: int, T: int) -> float:
-    """Matmul FLOPs of one training step on a padded batch, counted from the shapes (2 per multiply-add;
-    backward = 2 x forward). src (B, S), decoder input (B, T). Embedding lookups, softmax, LayerNorm and the
-    optimizer are left out (a few percent at these sizes)."""
+    """Matmul FLOPs of one training step on a padded batch, counted from the shapes (2
+    per multiply-add; backward = 2 x forward). src (B, S), decoder input (B, T).
+    Embedding lookups, softmax, LayerNorm and the optimizer are left out (a few percent
+    at these sizes)."""
     d, d_ff, N, V = config.d_model, config.d_ff, config.n_layers, config.tgt_vocab
-    enc = 8 * B * S * d * d + 4 * B * S * S * d + 4 * B * S * d * d_ff           # projections, QK^T and AV, FFN
-    dec = (8 * B * T * d * d + 4 * B * T * T * d                                 # masked self-attention
-           + 4 * B * T * d * d + 4 * B * S * d * d + 4 * B * T * S * d          # cross-attention
-           + 4 * B * T * d * d_ff)                                               # FFN
-    forward = N * (enc + dec) + 2 * B * T * d * V                                # + generator
+    # projections, QK^T and AV, FFN
+    enc = 8 * B * S * d * d + 4 * B * S * S * d + 4 * B * S * d * d_ff
+    dec = (8 * B * T * d * d + 4 * B * T * T * d    # masked self-attention
+           # cross-attention
+           + 4 * B * T * d * d + 4 * B * S * d * d + 4 * B * T * S * d
+           + 4 * B * T * d * d_ff)                  # FFN
+    forward = N * (enc + dec) + 2 * B * T * d * V   # + generator
     return 3.0 * forward
 
 
-# Peak dense bf16 tensor throughput (no sparsity) from the vendors' data sheets, matched against the
-# device name in this order. These are ASSUMPTIONS: clocks, power limits and SKUs differ.
-PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0),
-                    ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.0)]
+# Peak dense bf16 tensor throughput (no sparsity) from the vendors' data sheets, matched
+# against the device name in this order. These are ASSUMPTIONS: clocks, power limits and
+# SKUs differ.
+PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
+                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0),
+                    ("RTX 4090", 165.0)]
 
 
 def assumed_peak_tflops(device_name: str) -> float | None:
-    "The peak bf16 TFLOP/s we assume for a CUDA device name, or None when we have no figure for it."
+    """The peak bf16 TFLOP/s we assume for a CUDA device name, or None when we have no
+    figure for it."""
     for key, tflops in PEAK_BF16_TFLOPS:
         if key.lower() in device_name.lower():
             return tflops
@@ -223,7 +269,8 @@ def assumed_peak_tflops(device_name: str) -> float | None:
 # %% ../book/d_performance.ipynb #r023
 @contextlib.contextmanager
 def _quiet_stderr():
-    "Silence file descriptor 2 for a while: the profiler's C++ side logs its start and stop there."
+    """Silence file descriptor 2 for a while: the profiler's C++ side logs its start and
+    stop there."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -237,9 +284,9 @@ def _quiet_stderr():
 
 def peak_memory(fn, device: torch.device) -> int:
     """Bytes allocated at the peak of `fn()` above what was allocated when it started.
-    CUDA: `torch.cuda.max_memory_allocated`. CPU: PyTorch keeps no such counter, so we record every
-    allocation and free of the CPU allocator with `torch.profiler` (profile_memory=True) and take the
-    maximum of their running sum in time order."""
+    CUDA: `torch.cuda.max_memory_allocated`. CPU: PyTorch keeps no such counter, so we
+    record every allocation and free of the CPU allocator with `torch.profiler`
+    (profile_memory=True) and take the maximum of their running sum in time order."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
@@ -248,10 +295,13 @@ def peak_memory(fn, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    events = sorted((e.start_ns(), e.nbytes())
+                    for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]"
+                    and e.device_type() == torch.autograd.DeviceType.CPU)
     running = peak = 0
     for _, nbytes in events:
         running += nbytes
@@ -260,22 +310,27 @@ def peak_memory(fn, device: torch.device) -> int:
 
 # %% ../book/d_performance.ipynb #r026
 def environment(device: torch.device) -> dict:
-    """Where a benchmark ran: the provenance `train` records (appendix C: git commit and dirty flag, CPU, cores,
-    threads, GPU, Python, torch, platform, start time), the device, and the machine's load when it started."""
+    """Where a benchmark ran: the provenance `train` records (appendix C: git commit and
+    dirty flag, CPU, cores, threads, GPU, Python, torch, platform, start time), the
+    device, and the machine's load when it started."""
     where = _provenance()
     return {**where, "device": device.type,
-            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else where["cpu"],
-            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
+            "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else where["cpu"]),
+            "load_average": ([round(x, 2) for x in os.getloadavg()]
+                             if hasattr(os, "getloadavg") else None)}
 
 
 def resolve_device(device: str) -> torch.device:
-    "'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error that says so."
+    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error that
+    says so."""
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda'")
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA GPU; use --device cpu (or auto)")
+        raise ValueError("device='cuda' but torch sees no CUDA GPU; "
+                         "use --device cpu (or auto)")
     return torch.device(device)
 
 # %% ../book/d_performance.ipynb #r027
@@ -286,20 +341,26 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
-def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_batches: int = 2,
-              max_tokens: int | None = None, vocab_size: int = 8000, decode_sentences: int = 32,
-              compile: bool = False, threads: int | None = None, peak_tflops: float | None = None,
-              bf16: bool | None = None, seed: int = 0, log=None, warmup: int = 2, keep_memory: bool = True) -> dict:
-    """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same batches) in one
-    process: `repeats` rounds, each one training pass over the batches and one greedy decode per model,
-    in alternating order (both re-run the decoder on the whole prefix; ours is also timed with chapter 8's
-    key/value cache, which `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
-    uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units (`cpu_has_bf16_units`), float32 on other
-    CPUs. `threads` sets `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
-    batches per model come first, untimed, so that both are measured in their steady state. `keep_memory`: on CPU,
-    call appendix C's `keep_freed_memory` as `train` does (process-wide: it stays on after the call).
-    Returns a JSON-ready dict; `speedup_vs_nn` is the median training ratio."""
-    for name, value in (("repeats", repeats), ("n_batches", n_batches), ("decode_sentences", decode_sentences)):
+def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
+              n_batches: int = 2, max_tokens: int | None = None, vocab_size: int = 8000,
+              decode_sentences: int = 32, compile: bool = False,
+              threads: int | None = None, peak_tflops: float | None = None,
+              bf16: bool | None = None, seed: int = 0, log=None, warmup: int = 2,
+              keep_memory: bool = True) -> dict:
+    """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same
+    batches) in one process: `repeats` rounds, each one training pass over the batches
+    and one greedy decode per model, in alternating order (both re-run the decoder on
+    the whole prefix; ours is also timed with chapter 8's key/value cache, which
+    `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
+    uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units
+    (`cpu_has_bf16_units`), float32 on other CPUs. `threads` sets
+    `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
+    batches per model come first, untimed, so that both are measured in their steady
+    state. `keep_memory`: on CPU, call appendix C's `keep_freed_memory` as `train` does
+    (process-wide: it stays on after the call). Returns a JSON-ready dict;
+    `speedup_vs_nn` is the median training ratio."""
+    for name, value in (("repeats", repeats), ("n_batches", n_batches),
+                        ("decode_sentences", decode_sentences)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -313,30 +374,40 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         dev = resolve_device(device)
         cuda = dev.type == "cuda"
         autocast = (cuda or cpu_has_bf16_units()) if bf16 is None else bool(bf16)
-        if cuda:  # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast for the rest
+        # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast
+        # for the rest
+        if cuda:
             torch.backends.cuda.matmul.allow_tf32 = True
             torch.backends.cudnn.allow_tf32 = True
         if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
+            raise ValueError(f"unknown preset {preset!r}; "
+                             f"known presets: {', '.join(PRESETS)}")
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
-        env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()  # as `train` does on CPU
+        # as `train` does on CPU
+        env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()
 
-        log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} slots ...")
+        log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} "
+            "slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)
         batches = [(s.to(dev), t.to(dev)) for s, t in data.batches]
-        per_batch = max(1, math.ceil(decode_sentences / n_batches))   # the first rows of every batch
+        # the first rows of every batch
+        per_batch = max(1, math.ceil(decode_sentences / n_batches))
         decode_srcs = []
         for s, _ in batches:
             rows = s[:per_batch]
-            decode_srcs.append(rows[:, : int((rows != PAD).sum(1).max())])  # drop all-pad columns
+            # drop all-pad columns
+            decode_srcs.append(rows[:, : int((rows != PAD).sum(1).max())])
         n_decode = sum(r.size(0) for r in decode_srcs)
 
         torch.manual_seed(seed)
-        config = TransformerConfig.preset(preset, src_vocab=data.vocab_size, tgt_vocab=data.vocab_size)
+        config = TransformerConfig.preset(preset, src_vocab=data.vocab_size,
+                                          tgt_vocab=data.vocab_size)
         ours = Transformer(config)
-        models = {"ours": ours.to(dev), "nn": copy_weights(ours, TorchTransformer(config)).to(dev)}
-        optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9, fused=cuda or None)
+        models = {"ours": ours.to(dev),
+                  "nn": copy_weights(ours, TorchTransformer(config)).to(dev)}
+        optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                          eps=1e-9, fused=cuda or None)
                       for k, m in models.items()}
         losses = {k: Seq2SeqLoss(m, 0.1) for k, m in models.items()}
         losses = {k: (torch.compile(c) if compile else c) for k, c in losses.items()}
@@ -355,7 +426,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         def step(name: str, i: int) -> float:
             models[name].train()
             src, tgt = batches[i]
-            return timed(lambda: train_step(models[name], optimizers[name], src, tgt, autocast, losses[name]))
+            return timed(lambda: train_step(models[name], optimizers[name], src, tgt,
+                                            autocast, losses[name]))
 
         generated = {}
 
@@ -364,11 +436,13 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
             src = decode_srcs[i]
             def run():
                 with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = greedy_search(model, src, extra_len=DECODE_EXTRA, cache=cache)
+                    out = greedy_search(model, src, extra_len=DECODE_EXTRA,
+                                        cache=cache)
                 key = name + (" cached" if cache else "")
                 generated[key] = generated.get(key, 0) + sum(len(ids) for ids in out)
-            # An untrained model may say EOS at once and time nothing: forbid EOS, so every sentence runs to
-            # its length limit (source length + DECODE_EXTRA), the same work in both models and in every round.
+            # An untrained model may say EOS at once and time nothing: forbid EOS, so
+            # every sentence runs to its length limit (source length + DECODE_EXTRA),
+            # the same work in both models and in every round.
             eos_logit = model.generator.bias[EOS].item()
             with torch.no_grad():
                 model.generator.bias[EOS] = -1e4
@@ -378,20 +452,24 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
                 with torch.no_grad():
                     model.generator.bias[EOS] = eos_logit
 
-        log(f"bench: warm-up, {max(warmup, 1)} pass(es) over the batches per model" + (" (torch.compile)" if compile else ""))
+        log(f"bench: warm-up, {max(warmup, 1)} pass(es) over the batches per model"
+            + (" (torch.compile)" if compile else ""))
         for name in models:
-            for _ in range(max(warmup, 1)):                        # at least one step of every shape (compile)
+            # at least one step of every shape (compile)
+            for _ in range(max(warmup, 1)):
                 for i in range(len(batches) if (compile or warmup) else 1):
                     step(name, i)
             decode(name, 0)
         decode("ours", 0, cache=True)
 
-        # Interleave at the finest grain, one step at a time, and alternate who goes first, so that both models
-        # see the same machine (a busy neighbour slows both, not one).
+        # Interleave at the finest grain, one step at a time, and alternate who goes
+        # first, so that both models see the same machine (a busy neighbour slows both,
+        # not one).
         names = list(models)
         train_s = {k: [0.0] * repeats for k in names}
         decode_s = {k: [0.0] * repeats for k in names}
-        cached_s = [0.0] * repeats              # ours with chapter 9's key/value cache (nn.Transformer has none)
+        # ours with chapter 9's key/value cache (nn.Transformer has none)
+        cached_s = [0.0] * repeats
         for r in range(repeats):
             generated.clear()
             for i in range(len(batches)):
@@ -401,7 +479,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
                 for name in (names if (r + i) % 2 == 0 else names[::-1]):
                     decode_s[name][r] += decode(name, i)
                 cached_s[r] += decode("ours", i, cache=True)
-            log(f"bench: repeat {r + 1}/{repeats}: train ours/nn {train_s['nn'][r] / train_s['ours'][r]:.2f}, "
+            log(f"bench: repeat {r + 1}/{repeats}: "
+                f"train ours/nn {train_s['nn'][r] / train_s['ours'][r]:.2f}, "
                 f"decode ours/nn {decode_s['nn'][r] / decode_s['ours'][r]:.2f}")
         tokens = data.target_tokens
         train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
@@ -413,41 +492,60 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         mem_train, mem_decode = {}, {}
         for name, model in models.items():
             model.train()
-            mem_train[name] = peak_memory(lambda: train_step(model, optimizers[name], *biggest, autocast, losses[name]), dev)
+            mem_train[name] = peak_memory(
+                lambda: train_step(model, optimizers[name], *biggest, autocast,
+                                   losses[name]), dev)
             model.eval()
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                mem_decode[name] = peak_memory(lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA,
-                                                                         cache=False), dev)
+                mem_decode[name] = peak_memory(
+                    lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA,
+                                          cache=False), dev)
 
-        flops = sum(train_flops(config, s.size(0), s.size(1), t.size(1) - 1) for s, t in batches)
+        flops = sum(train_flops(config, s.size(0), s.size(1), t.size(1) - 1)
+                    for s, t in batches)
         tflops = {k: flops * _median(v) / tokens / 1e12 for k, v in train_tps.items()}
-        peak = peak_tflops if peak_tflops is not None else (assumed_peak_tflops(env["device_name"]) if cuda else None)
+        peak = (peak_tflops if peak_tflops is not None
+                else (assumed_peak_tflops(env["device_name"]) if cuda else None))
         train_ratio = [a / b for a, b in zip(train_tps["ours"], train_tps["nn"])]
         decode_ratio = [a / b for a, b in zip(decode_sps["ours"], decode_sps["nn"])]
         return {
             **env,
-            "preset": preset, "config": config.to_dict(), "compile": compile, "bf16_autocast": autocast, "tf32": cuda,
-            "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size, "max_tokens": max_tokens,
-                     "batch_shapes": [[s.size(0), s.size(1), t.size(1)] for s, t in batches],
+            "preset": preset, "config": config.to_dict(), "compile": compile,
+            "bf16_autocast": autocast, "tf32": cuda,
+            "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size,
+                     "max_tokens": max_tokens,
+                     "batch_shapes": [[s.size(0), s.size(1), t.size(1)]
+                                      for s, t in batches],
                      "target_tokens": tokens, "decode_sentences": n_decode},
             "repeats": repeats, "warmup_passes": warmup,
-            "train": {"ours_tokens_per_s": train_tps["ours"], "nn_tokens_per_s": train_tps["nn"],
+            "train": {"ours_tokens_per_s": train_tps["ours"],
+                      "nn_tokens_per_s": train_tps["nn"],
                       "ratio": train_ratio, "median_ratio": _median(train_ratio)},
-            "decode": {"ours_sentences_per_s": decode_sps["ours"], "nn_sentences_per_s": decode_sps["nn"],
-                       "generated_tokens": generated, "ratio": decode_ratio, "median_ratio": _median(decode_ratio),
+            "decode": {"ours_sentences_per_s": decode_sps["ours"],
+                       "nn_sentences_per_s": decode_sps["nn"],
+                       "generated_tokens": generated, "ratio": decode_ratio,
+                       "median_ratio": _median(decode_ratio),
                        "ours_cached_sentences_per_s": cached_sps,
-                       "cached_ratio": [a / b for a, b in zip(cached_sps, decode_sps["nn"])],
-                       "cached_median_ratio": _median([a / b for a, b in zip(cached_sps, decode_sps["nn"])])},
+                       "cached_ratio": [a / b for a, b
+                                        in zip(cached_sps, decode_sps["nn"])],
+                       "cached_median_ratio": _median(
+                           [a / b for a, b in zip(cached_sps, decode_sps["nn"])])},
             "memory": {"method": ("torch.cuda.max_memory_allocated" if cuda else
-                                  "torch.profiler allocation events (profile_memory=True), peak of the running sum"),
-                       "train_peak_bytes": mem_train, "train_ratio": mem_train["ours"] / mem_train["nn"],
-                       "decode_peak_bytes": mem_decode, "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
-            "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"], "nn_tflops": tflops["nn"],
+                                  "torch.profiler allocation events "
+                                  "(profile_memory=True), peak of the running sum"),
+                       "train_peak_bytes": mem_train,
+                       "train_ratio": mem_train["ours"] / mem_train["nn"],
+                       "decode_peak_bytes": mem_decode,
+                       "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
+            "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"],
+                      "nn_tflops": tflops["nn"],
                       "peak_tflops_assumed": peak,
                       "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
-                      "note": "matmul FLOPs counted from the padded shapes; peak is an assumption from the "
-                              "vendor's dense bf16 figure for this device name" if peak else
-                              "matmul FLOPs counted from the padded shapes; no MFU (no assumed peak for this device)"},
+                      "note": "matmul FLOPs counted from the padded shapes; peak is an "
+                              "assumption from the vendor's dense bf16 figure for this "
+                              "device name" if peak else
+                              "matmul FLOPs counted from the padded shapes; no MFU "
+                              "(no assumed peak for this device)"},
             "speedup_vs_nn": _median(train_ratio),
             "wall_s": time.perf_counter() - started,
         }
@@ -458,51 +556,69 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
 
 # %% ../book/d_performance.ipynb #r028
 def format_table(result: dict) -> str:
-    "A readable summary of `run_bench`'s result; its last line is `speedup_vs_nn: X.XX`."
-    tr, de, mem, fl = result["train"], result["decode"], result["memory"], result["flops"]
+    """A readable summary of `run_bench`'s result; its last line is
+    `speedup_vs_nn: X.XX`."""
+    tr, de, mem, fl = (result["train"], result["decode"], result["memory"],
+                       result["flops"])
     med = lambda xs: _median(xs)
     mib = lambda b: b / 2**20
     c = result["config"]
     lines = [
-        f"preset {result['preset']} (d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, N={c['n_layers']}, "
-        f"vocab={c['src_vocab']}) on {result['device']} ({result['device_name']}, {result['threads']} threads), "
+        f"preset {result['preset']} (d_model={c['d_model']}, d_ff={c['d_ff']}, "
+        f"h={c['h']}, N={c['n_layers']}, "
+        f"vocab={c['src_vocab']}) on {result['device']} ({result['device_name']}, "
+        f"{result['threads']} threads), "
         f"torch {result['torch']}" + (", torch.compile" if result["compile"] else "")
-        + (", bf16 autocast" if result["bf16_autocast"] else "") + (", TF32" if result["tf32"] else ""),
-        f"{len(result['data']['batch_shapes'])} Multi30k batches of <= {result['data']['max_tokens']} slots, "
-        f"{result['data']['target_tokens']} target tokens; {result['repeats']} alternating repeats, medians",
+        + (", bf16 autocast" if result["bf16_autocast"] else "")
+        + (", TF32" if result["tf32"] else ""),
+        f"{len(result['data']['batch_shapes'])} Multi30k batches of "
+        f"<= {result['data']['max_tokens']} slots, "
+        f"{result['data']['target_tokens']} target tokens; "
+        f"{result['repeats']} alternating repeats, medians",
         "",
         f"{'':26}{'ours':>12}{'nn.Transformer':>16}{'ours / nn':>11}",
-        f"{'train target tokens/s':26}{med(tr['ours_tokens_per_s']):12.0f}{med(tr['nn_tokens_per_s']):16.0f}"
+        f"{'train target tokens/s':26}{med(tr['ours_tokens_per_s']):12.0f}"
+        f"{med(tr['nn_tokens_per_s']):16.0f}"
         f"{tr['median_ratio']:11.2f}",
-        f"{'greedy decode sentences/s':26}{med(de['ours_sentences_per_s']):12.1f}{med(de['nn_sentences_per_s']):16.1f}"
+        f"{'greedy decode sentences/s':26}{med(de['ours_sentences_per_s']):12.1f}"
+        f"{med(de['nn_sentences_per_s']):16.1f}"
         f"{de['median_ratio']:11.2f}",
-        f"{'  ours with k/v cache':26}{med(de['ours_cached_sentences_per_s']):12.1f}{'':16}"
+        f"{'  ours with k/v cache':26}{med(de['ours_cached_sentences_per_s']):12.1f}"
+        f"{'':16}"
         f"{de['cached_median_ratio']:11.2f}",
         f"{'train peak memory MiB':26}{mib(mem['train_peak_bytes']['ours']):12.1f}"
         f"{mib(mem['train_peak_bytes']['nn']):16.1f}{mem['train_ratio']:11.2f}",
         f"{'decode peak memory MiB':26}{mib(mem['decode_peak_bytes']['ours']):12.1f}"
         f"{mib(mem['decode_peak_bytes']['nn']):16.1f}{mem['decode_ratio']:11.2f}",
-        f"{'train TFLOP/s (matmuls)':26}{fl['ours_tflops']:12.3f}{fl['nn_tflops']:16.3f}",
+        f"{'train TFLOP/s (matmuls)':26}{fl['ours_tflops']:12.3f}"
+        f"{fl['nn_tflops']:16.3f}",
     ]
     if fl["mfu"]:
         lines.append(f"{'MFU':26}{fl['mfu']['ours']:12.1%}{fl['mfu']['nn']:16.1%}"
-                     f"   (assumed peak {fl['peak_tflops_assumed']:.0f} TFLOP/s bf16: an assumption)")
+                     f"   (assumed peak {fl['peak_tflops_assumed']:.0f} TFLOP/s bf16: "
+                     "an assumption)")
     lines += ["", f"speedup_vs_nn: {result['speedup_vs_nn']:.2f}"]
     return "\n".join(lines)
 
 
 def _out_problem(path: Path) -> str | None:
-    "Why `--out path` could not be written at the end of a run (None: it can), found before the run starts."
+    """Why `--out path` could not be written at the end of a run (None: it can), found
+    before the run starts."""
     if path.is_dir():
-        return f"{path} is a directory; name a file in it, e.g. --out {path / 'bench.json'}"
-    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())   # the nearest existing folder
+        return (f"{path} is a directory; name a file in it, "
+                f"e.g. --out {path / 'bench.json'}")
+    # the nearest existing folder
+    existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     if not existing.is_dir():
-        return f"{existing} is a file, not a directory; write into a directory, e.g. --out {existing.parent / 'bench.json'}"
+        return (f"{existing} is a file, not a directory; write into a directory, "
+                f"e.g. --out {existing.parent / 'bench.json'}")
     try:
-        with tempfile.TemporaryFile(dir=existing):                 # can we create a file there? (removed at once)
+        # can we create a file there? (removed at once)
+        with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
-        return f"cannot create a file in {existing} ({e.strerror}); choose a directory you can write to"
+        return (f"cannot create a file in {existing} ({e.strerror}); "
+                "choose a directory you can write to")
     return None
 
 
@@ -512,30 +628,46 @@ def _write_json(path: Path, result: dict) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(result, indent=1) + "\n"), mode="w")
 
 
-def main(argv: list[str] | None = None, prog: str = "python -m transformer bench") -> int:
-    "`python -m transformer bench`: print the table (or `--json`), last line `speedup_vs_nn: X.XX`."
+def main(argv: list[str] | None = None,
+         prog: str = "python -m transformer bench") -> int:
+    """`python -m transformer bench`: print the table (or `--json`), last line
+    `speedup_vs_nn: X.XX`."""
     p = argparse.ArgumentParser(prog=prog, description=(
-        "Training-step and greedy-decode throughput and peak memory of our Transformer vs torch.nn.Transformer "
-        "(same sizes, weights, embeddings, generator and Multi30k batches), alternating runs, median ratios."))
+        "Training-step and greedy-decode throughput and peak memory of our Transformer "
+        "vs torch.nn.Transformer "
+        "(same sizes, weights, embeddings, generator and Multi30k batches), "
+        "alternating runs, median ratios."))
     p.add_argument("--preset", default="small", choices=list(PRESETS))
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--repeats", type=int, default=5, help="alternating rounds (default 5)")
-    p.add_argument("--batches", type=int, default=2, help="Multi30k batches per training pass (default 2)")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="alternating rounds (default 5)")
+    p.add_argument("--batches", type=int, default=2,
+                   help="Multi30k batches per training pass (default 2)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"padded slots per batch (default per preset: {DEFAULT_MAX_TOKENS})")
+                   help=f"padded slots per batch "
+                        f"(default per preset: {DEFAULT_MAX_TOKENS})")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--decode-sentences", type=int, default=32)
-    p.add_argument("--compile", action="store_true", help="torch.compile both models for the training step")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile both models for the training step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast (default: as training, on for CUDA and for CPUs with bf16 matrix units)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
-    p.add_argument("--peak-tflops", type=float, default=None, help="peak TFLOP/s for MFU (overrides the table)")
+                   help="bf16 autocast (default: as training, on for CUDA and for CPUs "
+                        "with bf16 matrix units)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s for MFU (overrides the table)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warmup", type=int, default=2, help="untimed passes over the batches per model (default 2)")
-    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
-                   help="on CPU, keep freed memory in malloc's heap, as `train` does (default: on)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed passes over the batches per model (default 2)")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
+                   default=True,
+                   help="on CPU, keep freed memory in malloc's heap, as `train` does "
+                        "(default: on)")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object instead of the table")
+    p.add_argument("--out", type=Path, default=None,
+                   help="also write the JSON result to this file")
     args = p.parse_args(argv)
     for name in ("repeats", "batches", "decode_sentences", "vocab_size"):
         if getattr(args, name) < 1:
@@ -552,12 +684,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
         resolve_device(args.device)
     except ValueError as e:
         p.error(str(e))
-    if args.out is not None and (problem := _out_problem(args.out)):   # now, not after minutes of benchmark
+    # now, not after minutes of benchmark
+    if args.out is not None and (problem := _out_problem(args.out)):
         p.exit(2, f"{p.prog}: error: --out {args.out}: {problem}\n")
     try:
-        result = run_bench(args.preset, args.device, args.repeats, args.batches, args.max_tokens, args.vocab_size,
-                           args.decode_sentences, args.compile, args.threads, args.peak_tflops, args.bf16, args.seed,
-                           warmup=args.warmup, keep_memory=args.keep_freed_memory)
+        result = run_bench(args.preset, args.device, args.repeats, args.batches,
+                           args.max_tokens, args.vocab_size, args.decode_sentences,
+                           args.compile, args.threads, args.peak_tflops, args.bf16,
+                           args.seed, warmup=args.warmup,
+                           keep_memory=args.keep_freed_memory)
     except ValueError as e:
         p.error(str(e))
     result["command"] = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
@@ -565,12 +700,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     if args.out is not None:
         try:
             _write_json(args.out, result)
-        except OSError as e:                                       # e.g. the disk filled up during the run
-            print(f"{p.prog}: error: could not write --out {args.out} ({e.strerror or e}); the result is printed "
+        except OSError as e:  # e.g. the disk filled up during the run
+            print(f"{p.prog}: error: could not write --out {args.out} "
+                  f"({e.strerror or e}); the result is printed "
                   f"above", file=sys.stderr)
             return 1
     return 0
 
 
-if __name__ == "__main__" and "__file__" in globals():  # `python -m transformer.bench` (a notebook has no __file__)
+# `python -m transformer.bench` (a notebook has no __file__)
+if __name__ == "__main__" and "__file__" in globals():
     sys.exit(main(prog="python -m transformer.bench"))

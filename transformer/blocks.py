@@ -14,86 +14,102 @@ __all__ = ['FeedForward', 'EncoderLayer', 'DecoderLayer', 'Encoder', 'Decoder', 
 
 # %% ../book/06_blocks.ipynb #c005
 class FeedForward(nn.Module):
-    "Equation (2): FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, the same small MLP at every position."
+    ("Equation (2): FFN(x) = max(0, x W_1 + b_1) W_2 + b_2, "
+     "the same small MLP at every position.")
     def __init__(self, d_model: int, d_ff: int, dropout: float = 0.0):
         super().__init__()
         self.w_1 = nn.Linear(d_model, d_ff)
         self.w_2 = nn.Linear(d_ff, d_model)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (B, T, d_model)
-        hidden = torch.relu(self.w_1(x))                             # (B, T, d_ff)
-        return self.w_2(self.dropout(hidden))                        # (B, T, d_model)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:            # x: (B, T, d_model)
+        hidden = torch.relu(self.w_1(x))                           # (B, T, d_ff)
+        return self.w_2(self.dropout(hidden))                      # (B, T, d_model)
 
 # %% ../book/06_blocks.ipynb #c016
 class EncoderLayer(nn.Module):
-    """Self-attention then FFN, each wrapped in dropout, a residual connection and LayerNorm.
-    `dropout` is the paper's residual dropout; `attention_dropout` (on the attention weights) and
-    `ffn_dropout` (on the FFN's hidden units) are tensor2tensor's extras, off by default."""
-    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False,
-                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+    """Self-attention then FFN, each wrapped in dropout, a residual connection and
+    LayerNorm. `dropout` is the paper's residual dropout; `attention_dropout` (on the
+    attention weights) and `ffn_dropout` (on the FFN's hidden units) are
+    tensor2tensor's extras, off by default."""
+    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1,
+                 norm_first: bool = False, attention_dropout: float = 0.0,
+                 ffn_dropout: float = 0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
-        self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)   # dropout1.residual(x, y) = x + Dropout(y)
+        # dropout1.residual(x, y) = x + Dropout(y)
+        self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)
         self.norm_first = norm_first
 
     def _sa(self, x, mask):  # the self-attention sub-layer
         return self.self_attn(x, x, x, mask)[0]
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        if self.norm_first:                 # pre-LN: x + Dropout(Sublayer(LayerNorm(x)))
+    def forward(self, x: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        if self.norm_first:               # pre-LN: x + Dropout(Sublayer(LayerNorm(x)))
             x = self.dropout1.residual(x, self._sa(self.norm1(x), mask))
             x = self.dropout2.residual(x, self.feed_forward(self.norm2(x)))
-        else:                               # post-LN, the paper: LayerNorm(x + Dropout(Sublayer(x)))
+        else:               # post-LN, the paper: LayerNorm(x + Dropout(Sublayer(x)))
             x = self.norm1(self.dropout1.residual(x, self._sa(x, mask)))
             x = self.norm2(self.dropout2.residual(x, self.feed_forward(x)))
         return x                                                     # (B, T, d_model)
 
 # %% ../book/06_blocks.ipynb #c020
 class DecoderLayer(nn.Module):
-    "Masked self-attention, cross-attention over the encoder's memory, then FFN; same plumbing and dropouts."
-    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1, norm_first: bool = False,
-                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+    ("Masked self-attention, cross-attention over the encoder's memory, then FFN; "
+     "same plumbing and dropouts.")
+    def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1,
+                 norm_first: bool = False, attention_dropout: float = 0.0,
+                 ffn_dropout: float = 0.0):
         super().__init__()
         self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
         self.cross_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(d_model) for _ in range(3))
-        self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout) for _ in range(3))
+        self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout)
+                                                       for _ in range(3))
         self.norm_first = norm_first
 
     def _sa(self, y, mask, is_causal=False):
         return self.self_attn(y, y, y, mask, is_causal=is_causal)[0]
 
-    def _ca(self, y, memory, mask):  # queries from the decoder, keys and values from the encoder
+    # queries from the decoder, keys and values from the encoder
+    def _ca(self, y, memory, mask):
         return self.cross_attn(y, memory, memory, mask)[0]
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
+                tgt_mask: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False) -> torch.Tensor:
-        "`tgt_is_causal=True` (with `tgt_mask=None`): the causal mask as a flag for the fast kernel."
+        ("`tgt_is_causal=True` (with `tgt_mask=None`): the causal mask as a flag for "
+         "the fast kernel.")
         if self.norm_first:
-            y = self.dropout1.residual(y, self._sa(self.norm1(y), tgt_mask, tgt_is_causal))
+            y = self.dropout1.residual(y, self._sa(self.norm1(y), tgt_mask,
+                                                   tgt_is_causal))
             y = self.dropout2.residual(y, self._ca(self.norm2(y), memory, memory_mask))
             y = self.dropout3.residual(y, self.feed_forward(self.norm3(y)))
         else:
-            y = self.norm1(self.dropout1.residual(y, self._sa(y, tgt_mask, tgt_is_causal)))
+            y = self.norm1(self.dropout1.residual(y, self._sa(y, tgt_mask,
+                                                              tgt_is_causal)))
             y = self.norm2(self.dropout2.residual(y, self._ca(y, memory, memory_mask)))
             y = self.norm3(self.dropout3.residual(y, self.feed_forward(y)))
-        return y                                                     # (B, T_tgt, d_model)
+        return y                                                # (B, T_tgt, d_model)
 
 # %% ../book/06_blocks.ipynb #c022
 def _check_seq(x: torch.Tensor, d_model: int, name: str) -> None:
     if x.dim() != 3 or x.size(-1) != d_model:
-        raise ValueError(f"{name} must have shape (B, T, d_model={d_model}), got {tuple(x.shape)}")
+        raise ValueError(f"{name} must have shape (B, T, d_model={d_model}), "
+                         f"got {tuple(x.shape)}")
 
 # %% ../book/06_blocks.ipynb #c023
 class Encoder(nn.Module):
-    "N encoder layers; a final LayerNorm only for pre-LN (post-LN layers already end in one)."
-    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
-                 norm_first: bool = False, attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+    ("N encoder layers; a final LayerNorm only for pre-LN "
+     "(post-LN layers already end in one).")
+    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int,
+                 dropout: float = 0.1, norm_first: bool = False,
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
@@ -103,17 +119,19 @@ class Encoder(nn.Module):
                                     for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
         _check_seq(x, self.d_model, "x")
         for layer in self.layers:
             x = layer(x, mask)
-        return self.norm(x)                                          # (B, T_src, d_model)
+        return self.norm(x)                                     # (B, T_src, d_model)
 
 # %% ../book/06_blocks.ipynb #c024
 class Decoder(nn.Module):
     "N decoder layers over the same memory; a final LayerNorm only for pre-LN."
-    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
-                 norm_first: bool = False, attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int,
+                 dropout: float = 0.1, norm_first: bool = False,
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
@@ -124,34 +142,43 @@ class Decoder(nn.Module):
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None, memory_mask: torch.Tensor | None = None,
+                tgt_mask: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False) -> torch.Tensor:
         _check_seq(y, self.d_model, "y")
         _check_seq(memory, self.d_model, "memory")
         if memory.size(0) != y.size(0):
-            raise ValueError(f"memory has batch size {memory.size(0)} but y has {y.size(0)}; they must match")
+            raise ValueError(f"memory has batch size {memory.size(0)} but y has "
+                             f"{y.size(0)}; they must match")
         for layer in self.layers:
             y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal)
-        return self.norm(y)                                          # (B, T_tgt, d_model)
+        return self.norm(y)                                     # (B, T_tgt, d_model)
 
 # %% ../book/d_performance.ipynb #c015b
-def dropout_mask(like: torch.Tensor, p: float, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The scaled keep-mask of dropout, shaped like `like`: 0 with probability p' = round(p * 2^15) / 2^15,
-    else 1 / (1 - p'). Four 15-bit uniform integers come from each 64-bit random draw."""
+def dropout_mask(like: torch.Tensor, p: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The scaled keep-mask of dropout, shaped like `like`: 0 with probability
+    p' = round(p * 2^15) / 2^15, else 1 / (1 - p'). Four 15-bit uniform integers come
+    from each 64-bit random draw."""
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability p={p} must be in [0, 1)")
     n = like.numel()
-    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()   # uniform on [0, 2^63)
-    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF    # 4 per word, each uniform on [0, 2^15)
-    cut = round(p * 2**15)                                            # drop when draw < cut: P = cut / 2^15
-    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype, device=like.device)
-    return torch.where(draws >= cut, scale, scale.new_zeros(()))   # 1/(1 - p') or 0, in the dtype asked for
+    # uniform on [0, 2^63)
+    words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()
+    # 4 per word, each uniform on [0, 2^15)
+    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF
+    cut = round(p * 2**15)  # drop when draw < cut: P = cut / 2^15
+    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype,
+                         device=like.device)
+    # 1/(1 - p') or 0, in the dtype asked for
+    return torch.where(draws >= cut, scale, scale.new_zeros(()))
 
 
 class Dropout(nn.Dropout):
-    """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p is rounded to a multiple
-    of 2^-15), plus `residual(x, y)` = x + dropout(y) in one pass. On other devices, and under `torch.compile`
-    (which fuses dropout into its own kernels): PyTorch's dropout."""
+    """`nn.Dropout` with a cheaper random mask in CPU training (see `dropout_mask`: p
+    is rounded to a multiple of 2^-15), plus `residual(x, y)` = x + dropout(y) in one
+    pass. On other devices, and under `torch.compile` (which fuses dropout into its own
+    kernels): PyTorch's dropout."""
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or self.p == 0:
             return x
@@ -160,9 +187,11 @@ class Dropout(nn.Dropout):
         return x * dropout_mask(x, self.p)
 
     def residual(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        "x + Dropout(y): the sub-layer output y, dropped out, added to the residual stream x."
+        """x + Dropout(y): the sub-layer output y, dropped out, added to the residual
+        stream x."""
         if not self.training or self.p == 0:
             return x + y
         if y.device.type != "cpu" or torch.compiler.is_compiling():
             return x + F.dropout(y, self.p, training=True)
-        return torch.addcmul(x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))
+        return torch.addcmul(
+            x, y, dropout_mask(y, self.p, torch.promote_types(x.dtype, y.dtype)))

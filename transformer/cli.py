@@ -23,12 +23,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .data import LANGS, SPLITS, DataError, load_multi30k, read_parallel, sha256_file
+from .data import (LANGS, SPLITS, DataError, load_multi30k, read_parallel,
+                              sha256_file)
 from .tokens import Tokenizer
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import (CheckpointError, RunDirectoryError, TrainConfig, TrainingError, atomic_write,
-                                  average_checkpoints, epoch_batches, init_distributed, load_checkpoint, make_examples,
-                                  model_from_checkpoint, read_metrics, run_lock, save_checkpoint, train)
+from .training import (CheckpointError, RunDirectoryError, TrainConfig,
+                                  TrainingError, atomic_write, average_checkpoints,
+                                  epoch_batches, init_distributed, load_checkpoint,
+                                  make_examples, model_from_checkpoint, read_metrics,
+                                  run_lock, save_checkpoint, train)
 from .evaluation import bleu_callback, evaluate, score
 from .decoding import translate
 
@@ -37,7 +40,8 @@ __all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'CLIErro
            'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'main']
 
 # %% ../book/c_commands.ipynb #c005
-VOCAB_SIZE = 8000  # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
+# joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
+VOCAB_SIZE = 8000
 
 
 class CLIError(Exception):
@@ -49,13 +53,16 @@ class CLIError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print usage + message and exit; we want one line
+    # argparse would print usage + message and exit; we want one line
+    def error(self, message):
         raise CLIError(f"{self.prog}: {message} (see --help)", code=2)
 
 
 def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False):
-    "An argparse type: a finite `kind` in (low, high), or [low, high) with `low_ok`; the message says which."
-    rule = f"{'>=' if low_ok else '>'} {low:g}" if high is None else f"in [{low:g}, {high:g})"
+    ("An argparse type: a finite `kind` in (low, high), or [low, high) with "
+     "`low_ok`; the message says which.")
+    rule = (f"{'>=' if low_ok else '>'} {low:g}" if high is None
+            else f"in [{low:g}, {high:g})")
 
     def parse(text: str):
         try:
@@ -63,7 +70,8 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         ok = value >= low if low_ok else value > low
-        if not (ok and (high is None or value < high) and float(value) not in (float("inf"), float("-inf"))):
+        if not (ok and (high is None or value < high)
+                and float(value) not in (float("inf"), float("-inf"))):
             raise argparse.ArgumentTypeError(f"{text} must be {rule}")
         return value
     parse.__name__ = kind.__name__
@@ -76,103 +84,162 @@ def _positive(kind):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m transformer",
-                     description="Train, use and score the Transformer of 'Attention Is All You Need'.")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{train,translate,evaluate,export,bench}")
+                     description="Train, use and score the Transformer of "
+                                 "'Attention Is All You Need'.")
+    sub = parser.add_subparsers(dest="command", required=True,
+                                metavar="{train,translate,evaluate,export,bench}")
 
-    t = sub.add_parser("train", help="train a model on Multi30k (CPU, GPU, or several with torchrun)",
-                       description="Train a translation model. Writes config.json, tokenizer.model, last.pt, "
-                                   "best.pt, metrics.jsonl and results.json to --out.")
-    t.add_argument("--preset", choices=list(PRESETS), default="small", help="model and training sizes (default: small)")
-    t.add_argument("--src", choices=LANGS, default="de", help="source language (default: de)")
-    t.add_argument("--tgt", choices=LANGS, default="en", help="target language (default: en)")
-    t.add_argument("--data", metavar="DIR", help="directory holding multi30k/ (default: $TRANSFORMER_DATA, then the cache)")
-    t.add_argument("--no-download", action="store_true", help="fail instead of downloading missing data")
-    t.add_argument("--out", metavar="DIR", help="run directory (default: runs/<preset>-<src>-<tgt>); one run at a "
-                                                "time: it is locked while the run goes on")
+    t = sub.add_parser("train",
+                       help="train a model on Multi30k (CPU, GPU, or several with "
+                            "torchrun)",
+                       description="Train a translation model. Writes config.json, "
+                                   "tokenizer.model, last.pt, best.pt, "
+                                   "metrics.jsonl and results.json to --out.")
+    t.add_argument("--preset", choices=list(PRESETS), default="small",
+                   help="model and training sizes (default: small)")
+    t.add_argument("--src", choices=LANGS, default="de",
+                   help="source language (default: de)")
+    t.add_argument("--tgt", choices=LANGS, default="en",
+                   help="target language (default: en)")
+    t.add_argument("--data", metavar="DIR",
+                   help="directory holding multi30k/ (default: $TRANSFORMER_DATA, "
+                        "then the cache)")
+    t.add_argument("--no-download", action="store_true",
+                   help="fail instead of downloading missing data")
+    t.add_argument("--out", metavar="DIR",
+                   help="run directory (default: runs/<preset>-<src>-<tgt>); one "
+                        "run at a time: it is locked while the run goes on")
     t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    t.add_argument("--max-steps", type=_positive(int), metavar="N", help="optimizer steps (default: the preset's)")
-    t.add_argument("--max-minutes", type=_positive(float), metavar="M", help="stop after M minutes of training")
-    t.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
+    t.add_argument("--max-steps", type=_positive(int), metavar="N",
+                   help="optimizer steps (default: the preset's)")
+    t.add_argument("--max-minutes", type=_positive(float), metavar="M",
+                   help="stop after M minutes of training")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from last.pt")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
     t.add_argument("--seed", type=_number(int, low_ok=True), default=0)
     g = t.add_argument_group("hyperparameters (default: the preset's)")
-    g.add_argument("--batch-tokens", type=_positive(int), metavar="N", help="padded tokens per optimizer step, all processes")
-    g.add_argument("--accum-steps", type=_positive(int), metavar="N", help="gradient accumulation: pieces per process and step")
-    g.add_argument("--warmup", type=_positive(int), metavar="N", help="warm-up steps of the learning-rate schedule")
-    g.add_argument("--lr-scale", type=_positive(float), metavar="X", help="multiplies the schedule of equation (3)")
-    g.add_argument("--label-smoothing", type=_number(float, 0, 1, low_ok=True), metavar="EPS", help="in [0, 1)")
-    g.add_argument("--clip-norm", type=_number(float, low_ok=True), metavar="X", help="gradient-norm clipping (0: off)")
-    g.add_argument("--dropout", type=_number(float, 0, 1, low_ok=True), metavar="P", help="in [0, 1)")
-    g.add_argument("--vocab-size", type=_positive(int), metavar="N", help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
+    g.add_argument("--batch-tokens", type=_positive(int), metavar="N",
+                   help="padded tokens per optimizer step, all processes")
+    g.add_argument("--accum-steps", type=_positive(int), metavar="N",
+                   help="gradient accumulation: pieces per process and step")
+    g.add_argument("--warmup", type=_positive(int), metavar="N",
+                   help="warm-up steps of the learning-rate schedule")
+    g.add_argument("--lr-scale", type=_positive(float), metavar="X",
+                   help="multiplies the schedule of equation (3)")
+    g.add_argument("--label-smoothing", type=_number(float, 0, 1, low_ok=True),
+                   metavar="EPS", help="in [0, 1)")
+    g.add_argument("--clip-norm", type=_number(float, low_ok=True), metavar="X",
+                   help="gradient-norm clipping (0: off)")
+    g.add_argument("--dropout", type=_number(float, 0, 1, low_ok=True), metavar="P",
+                   help="in [0, 1)")
+    g.add_argument("--vocab-size", type=_positive(int), metavar="N",
+                   help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
     g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; default: the preset's)")
-    g.add_argument("--eval-every", type=_positive(int), metavar="N", help="validate and save every N steps")
+                   help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; "
+                        "default: the preset's)")
+    g.add_argument("--eval-every", type=_positive(int), metavar="N",
+                   help="validate and save every N steps")
     g.add_argument("--log-every", type=_positive(int), metavar="N")
     e = t.add_argument_group("evaluation")
-    e.add_argument("--eval-sentences", type=_positive(int), metavar="N", help="translate only the first N sentences of each split")
-    e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"], default="test_2016_flickr",
-                   help="split scored at the end, besides val (default: test_2016_flickr)")
+    e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
+                   help="translate only the first N sentences of each split")
+    e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
+                   default="test_2016_flickr",
+                   help="split scored at the end, besides val (default: "
+                        "test_2016_flickr)")
     e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
-                   help="average the weights of the last N snapshots at the end and keep the average if it "
-                        "scores higher on val (0: off; default: the preset's)")
+                   help="average the weights of the last N snapshots at the end "
+                        "and keep the average if it scores higher on val (0: off; "
+                        "default: the preset's)")
     e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
-                   help="steps between the snapshots --average uses (default: the preset's, else --eval-every)")
-    e.add_argument("--beam", type=_positive(int), default=4, help="beam size of the final evaluation (default: 4)")
-    e.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6, help="length penalty (default: 0.6)")
-    t.add_argument("--threads", type=_positive(int), metavar="N", help="CPU threads per process (default: torch's)")
+                   help="steps between the snapshots --average uses (default: the "
+                        "preset's, else --eval-every)")
+    e.add_argument("--beam", type=_positive(int), default=4,
+                   help="beam size of the final evaluation (default: 4)")
+    e.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6,
+                   help="length penalty (default: 0.6)")
+    t.add_argument("--threads", type=_positive(int), metavar="N",
+                   help="CPU threads per process (default: torch's)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
     t.set_defaults(run=cmd_train)
 
-    for name, help_ in (("translate", "translate sentences given as arguments or on stdin"),
-                        ("evaluate", "score a model on a Multi30k split or on two files")):
-        c = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
-        c.add_argument("--model", metavar="DIR", required=True, help="a run directory written by train")
-        c.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"], default="chosen",
-                       help="which weights (default: what train picked on val: averaged.pt if it won, else best.pt)")
-        c.add_argument("--beam", type=_positive(int), default=4, help="beam size (default: 4; 1 = greedy)")
-        c.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6, help="length penalty (default: 0.6)")
+    for name, help_ in (("translate",
+                         "translate sentences given as arguments or on stdin"),
+                        ("evaluate",
+                         "score a model on a Multi30k split or on two files")):
+        c = sub.add_parser(name, help=help_,
+                           description=help_[0].upper() + help_[1:] + ".")
+        c.add_argument("--model", metavar="DIR", required=True,
+                       help="a run directory written by train")
+        c.add_argument("--checkpoint",
+                       choices=["chosen", "best", "last", "averaged"], default="chosen",
+                       help="which weights (default: what train picked on val: "
+                            "averaged.pt if it won, else best.pt)")
+        c.add_argument("--beam", type=_positive(int), default=4,
+                       help="beam size (default: 4; 1 = greedy)")
+        c.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6,
+                       help="length penalty (default: 0.6)")
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         c.add_argument("--threads", type=_positive(int), metavar="N")
         if name == "translate":
-            c.add_argument("text", nargs="*", metavar="TEXT", help="sentences (default: one per line on stdin)")
+            c.add_argument("text", nargs="*", metavar="TEXT",
+                           help="sentences (default: one per line on stdin)")
             c.set_defaults(run=cmd_translate)
         else:
-            c.add_argument("--split", choices=SPLITS, help="Multi30k split (default: test_2016_flickr)")
-            c.add_argument("--src-file", metavar="F", help="source sentences, one per line (with --ref-file)")
-            c.add_argument("--ref-file", metavar="F", help="reference translations, one per line")
+            c.add_argument("--split", choices=SPLITS,
+                           help="Multi30k split (default: test_2016_flickr)")
+            c.add_argument("--src-file", metavar="F",
+                           help="source sentences, one per line (with --ref-file)")
+            c.add_argument("--ref-file", metavar="F",
+                           help="reference translations, one per line")
             c.add_argument("--data", metavar="DIR")
             c.add_argument("--no-download", action="store_true")
-            c.add_argument("--limit", type=_positive(int), metavar="N", help="score only the first N sentences")
+            c.add_argument("--limit", type=_positive(int), metavar="N",
+                           help="score only the first N sentences")
             c.add_argument("--json", action="store_true", help="print one JSON object")
-            c.add_argument("--output", metavar="FILE", help="also write the translations, one per line, to FILE")
+            c.add_argument("--output", metavar="FILE",
+                           help="also write the translations, one per line, to FILE")
             c.set_defaults(run=cmd_evaluate)
-    x = sub.add_parser("export", help="write a run's chosen weights, in half precision, as a small model directory",
-                       description="Write a run's chosen weights (half precision by default), its tokenizer.model and "
-                                   "config.json, and a results.json with the sha256 of the weights, to a new directory "
-                                   "that translate and evaluate read like a run directory.")
-    x.add_argument("--model", metavar="DIR", required=True, help="a run directory written by train")
-    x.add_argument("--out", metavar="DIR", required=True, help="a new (or empty) directory")
-    x.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"], default="chosen",
+    x = sub.add_parser("export",
+                       help="write a run's chosen weights, in half precision, as a "
+                            "small model directory",
+                       description="Write a run's chosen weights (half precision "
+                                   "by default), its tokenizer.model and "
+                                   "config.json, and a results.json with the "
+                                   "sha256 of the weights, to a new directory that "
+                                   "translate and evaluate read like a run "
+                                   "directory.")
+    x.add_argument("--model", metavar="DIR", required=True,
+                   help="a run directory written by train")
+    x.add_argument("--out", metavar="DIR", required=True,
+                   help="a new (or empty) directory")
+    x.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
+                   default="chosen",
                    help="which weights (default: what train picked on val)")
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
     x.set_defaults(run=cmd_export)
-    # `bench` lives in appendix D (transformer.bench), which this module may not import; `python -m transformer`
-    # hands it over before this parser runs. Listed here so that --help names every command.
-    b = sub.add_parser("bench", help="time a training step and greedy decoding against torch.nn.Transformer "
-                                     "(appendix D; python -m transformer bench --help)", add_help=False)
+    # `bench` lives in appendix D (transformer.bench), which this module may not
+    # import; `python -m transformer` hands it over before this parser runs. Listed
+    # here so that --help names every command.
+    b = sub.add_parser("bench",
+                       help="time a training step and greedy decoding against "
+                            "torch.nn.Transformer (appendix D; python -m "
+                            "transformer bench --help)", add_help=False)
     b.set_defaults(run=lambda args: _not_here("bench"))
     return parser
 
 
 def _not_here(command: str) -> int:
-    raise CLIError(f"{command} runs through the package entry point: python -m transformer {command} --help")
+    raise CLIError(f"{command} runs through the package entry point: python -m "
+                   f"transformer {command} --help")
 
 # %% ../book/c_commands.ipynb #c007
 def _device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda: no CUDA device is available here (CPU-only torch or no GPU); "
-                       "use --device cpu or --device auto")
+        raise CLIError("--device cuda: no CUDA device is available here (CPU-only "
+                       "torch or no GPU); use --device cpu or --device auto")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -182,12 +249,14 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return freed memory to the
-    operating system, so that the tensors of one training step reuse the pages of the last one. Process-wide;
-    returns False where it does not apply (not glibc)."""
+    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return
+    freed memory to the operating system, so that the tensors of one training step reuse
+    the pages of the last one. Process-wide; returns False where it does not apply (not
+    glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
+        return (bool(libc.mallopt(M_MMAP_MAX, 0))
+                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
     except (OSError, AttributeError):
         return False
 
@@ -196,33 +265,39 @@ def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     threads = torch.get_num_threads()
-    return f"cpu ({os.cpu_count()} cores, {threads} thread{'s' if threads != 1 else ''}, {platform.machine()})"
+    return (f"cpu ({os.cpu_count()} cores, {threads} "
+            f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
 
 
 def _provenance() -> dict:
-    "Where a result comes from: the git commit of the code (call it when the run starts), the machine, the software."
+    ("Where a result comes from: the git commit of the code (call it when the run "
+     "starts), the machine, the software.")
     import transformer
     here = Path(transformer.__file__).resolve().parent
 
     def git(*args) -> str | None:
         try:
-            done = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+            done = subprocess.run(["git", *args], cwd=here, capture_output=True,
+                                  text=True, timeout=10)
         except (OSError, subprocess.SubprocessError):
             return None
         return done.stdout.strip() if done.returncode == 0 else None
 
     cpu = platform.processor() or platform.machine()
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip()
+                   for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     commit = git("rev-parse", "HEAD")
     return {"git_commit": commit,
-            "git_dirty": None if commit is None else git("status", "--porcelain", "--untracked-files=no") != "",
+            "git_dirty": None if commit is None else git("status", "--porcelain",
+                                                         "--untracked-files=no") != "",
             "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
             "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__, "platform": platform.platform(),
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
@@ -233,48 +308,58 @@ def _write_json(path: Path, obj) -> None:
 def _chosen(run_dir: Path) -> str:
     "The checkpoint `train` picked on val (results.json's `checkpoint`), else best."
     try:
-        return json.loads((run_dir / "results.json").read_text()).get("checkpoint", "best")
+        return json.loads((run_dir / "results.json").read_text()).get(
+            "checkpoint", "best")
     except (OSError, json.JSONDecodeError, AttributeError):
         return "best"
 
 
 def _check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
-    "The checkpoint records the sha256 of the tokenizer it was trained with; refuse another one."
+    ("The checkpoint records the sha256 of the tokenizer it was trained with; refuse "
+     "another one.")
     want = state.get("run", {}).get("tokenizer_sha256")
     if want is not None and sha256_file(tok_path) != want:
-        raise CLIError(f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 {sha256_file(tok_path)[:12]}… "
-                       f"vs {want[:12]}… recorded in the checkpoint): the files come from different runs; "
-                       f"copy the whole run directory, or put back its own tokenizer.model")
+        raise CLIError(f"{tok_path} is not the tokenizer {checkpoint} was trained "
+                       f"with (sha256 {sha256_file(tok_path)[:12]}… vs "
+                       f"{want[:12]}… recorded in the checkpoint): the files come "
+                       "from different runs; copy the whole run directory, or put "
+                       "back its own tokenizer.model")
 
 
 def load_run(run_dir: str | os.PathLike, which: str = "chosen",
              device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """The model (eval mode), tokenizer and config.json of a run directory written by `train`.
-    `which`: best, last, averaged, or chosen (the one train picked on val; best.pt when it says nothing, or when
-    the file it picked is gone). The checkpoint must have been trained with this tokenizer.model (its sha256)."""
+    """The model (eval mode), tokenizer and config.json of a run directory written by
+    `train`. `which`: best, last, averaged, or chosen (the one train picked on val;
+    best.pt when it says nothing, or when the file it picked is gone). The checkpoint
+    must have been trained with this tokenizer.model (its sha256)."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CLIError(f"--model {run_dir}: no such directory")
     if which == "chosen":
         which = _chosen(run_dir)
         if not (run_dir / f"{which}.pt").exists() and which != "best":
-            print(f"warning: {run_dir / 'results.json'} chose {which}.pt, which is missing; using best.pt",
+            print(f"warning: {run_dir / 'results.json'} chose {which}.pt, which is "
+                  "missing; using best.pt",
                   file=sys.stderr)
             which = "best"
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
-        raise CLIError(f"--model {run_dir} holds no averaged.pt (train --average N writes it); use "
-                       f"--checkpoint best (best.pt) or --checkpoint last (last.pt)")
+        raise CLIError(f"--model {run_dir} holds no averaged.pt (train --average N "
+                       "writes it); use --checkpoint best (best.pt) or "
+                       "--checkpoint last (last.pt)")
     path = run_dir / f"{which}.pt"
     if which == "best" and not path.exists():
         path = run_dir / "last.pt"
     if not path.exists():
-        raise CLIError(f"--model {run_dir} holds no model (no best.pt or last.pt); train one with "
-                       f"python -m transformer train --out {run_dir}")
+        raise CLIError(f"--model {run_dir} holds no model (no best.pt or last.pt); "
+                       "train one with python -m transformer train --out "
+                       f"{run_dir}")
     tok_path = run_dir / "tokenizer.model"
     if not tok_path.exists():
-        raise CLIError(f"--model {run_dir} has a checkpoint but no tokenizer.model; copy the whole run directory")
+        raise CLIError(f"--model {run_dir} has a checkpoint but no "
+                       "tokenizer.model; copy the whole run directory")
     try:
-        config = json.loads((run_dir / "config.json").read_text()) if (run_dir / "config.json").exists() else {}
+        config = (json.loads((run_dir / "config.json").read_text())
+                  if (run_dir / "config.json").exists() else {})
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CLIError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
     state = load_checkpoint(path)
@@ -282,23 +367,29 @@ def load_run(run_dir: str | os.PathLike, which: str = "chosen",
     model = model_from_checkpoint(state, device, name=str(path))
     tokenizer = Tokenizer.load(tok_path)
     if tokenizer.vocab_size != model.config.src_vocab:
-        raise CLIError(f"{run_dir}: tokenizer.model has {tokenizer.vocab_size} pieces but {path.name} expects "
-                       f"{model.config.src_vocab}; the files come from different runs")
+        raise CLIError(f"{run_dir}: tokenizer.model has {tokenizer.vocab_size} "
+                       f"pieces but {path.name} expects {model.config.src_vocab}; "
+                       "the files come from different runs")
     return model, tokenizer, config
 
 # %% ../book/c_commands.ipynb #c009
 def _pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
     try:
-        pairs = load_multi30k(src, tgt, split, data_dir=args.data, download=not args.no_download,
+        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
+                              download=not args.no_download,
                               progress=not getattr(args, "quiet", False))
     except DataError as e:  # say it in the words of the command line
-        raise DataError(str(e).replace("pass download=True", "drop --no-download")) from None
-    return pairs[:args.eval_sentences] if getattr(args, "eval_sentences", None) and split != "train" else pairs
+        raise DataError(str(e).replace("pass download=True",
+                                       "drop --no-download")) from None
+    return (pairs[:args.eval_sentences]
+            if getattr(args, "eval_sentences", None) and split != "train" else pairs)
 
 
-def _run_config(args, model_config: TransformerConfig, train_config: TrainConfig) -> dict:
+def _run_config(args, model_config: TransformerConfig,
+                train_config: TrainConfig) -> dict:
     return {"model": model_config.to_dict(), "train": asdict(train_config),
-            "data": {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab},
+            "data": {"src": args.src, "tgt": args.tgt,
+                     "vocab_size": model_config.src_vocab},
             "preset": args.preset, "seed": args.seed}
 
 
@@ -309,21 +400,27 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
             if part == "train" and key in TrainConfig.RESUMABLE:
                 continue
             if saved.get(part, {}).get(key) != value:
-                diffs.append(f"{key}={value!r} (the run has {saved.get(part, {}).get(key)!r})")
+                diffs.append(f"{key}={value!r} (the run has "
+                             f"{saved.get(part, {}).get(key)!r})")
     if saved.get("seed") != now["seed"]:
         diffs.append(f"seed={now['seed']} (the run has {saved.get('seed')!r})")
     if diffs:
-        raise CLIError(f"--resume with a different config than {path}: " + ", ".join(diffs) +
+        raise CLIError(f"--resume with a different config than {path}: "
+                       + ", ".join(diffs) +
                        "; drop those options, or train into a new --out")
 
 
-RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt", "metrics.jsonl", "results.json")
+RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt",
+             "metrics.jsonl", "results.json")
 
 
 def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
-    "The model and training configs the flags ask for; a bad value is a one-line error in the flags' words."
-    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes", "batch_tokens", "accum_steps", "warmup",
-                                               "lr_scale", "label_smoothing", "eval_every", "log_every", "cpu_bf16",
+    ("The model and training configs the flags ask for; a bad value is a one-line "
+     "error in the flags' words.")
+    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes",
+                                               "batch_tokens", "accum_steps", "warmup",
+                                               "lr_scale", "label_smoothing",
+                                               "eval_every", "log_every", "cpu_bf16",
                                                "snapshot_every")
                  if getattr(args, k) is not None}
     if args.average is not None:
@@ -331,60 +428,84 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
     if args.clip_norm is not None:
         overrides["clip_norm"] = args.clip_norm or None
     try:
-        model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
-                                                **({"dropout": args.dropout} if args.dropout is not None else {}))
-        return model_config, TrainConfig.preset(args.preset, seed=args.seed, compile=args.compile, **overrides)
-    except ValueError as e:  # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
-        raise CLIError(re.sub(r"^(\w+)=(\S+)", lambda m: f"--{m.group(1).replace('_', '-')} {m.group(2)}", str(e)))
+        model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size,
+                                                tgt_vocab=vocab_size,
+                                                **({"dropout": args.dropout}
+                                                   if args.dropout is not None else {}))
+        return model_config, TrainConfig.preset(args.preset, seed=args.seed,
+                                                compile=args.compile, **overrides)
+    # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
+    except ValueError as e:
+        raise CLIError(re.sub(r"^(\w+)=(\S+)",
+                              lambda m: f"--{m.group(1).replace('_', '-')} "
+                                        f"{m.group(2)}", str(e)))
 
 
 def _check_out(out: Path, args) -> None:
-    "A fresh run needs a directory free of other runs' files; --resume needs a run to continue."
+    ("A fresh run needs a directory free of other runs' files; --resume needs a run "
+     "to continue.")
     if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {out} is a file, not a directory; pass a directory (it is created if missing)")
+        raise CLIError(f"--out {out} is a file, not a directory; pass a directory "
+                       "(it is created if missing)")
     if args.resume:
         if not (out / "last.pt").exists():
             raise CLIError(f"--resume: {out} holds no run to resume (no last.pt)")
         for name in ("config.json", "tokenizer.model"):
             if not (out / name).exists():
-                raise CLIError(f"--resume: {out} has last.pt but no {name}; it is not a whole run directory")
+                raise CLIError(f"--resume: {out} has last.pt but no {name}; it is "
+                               "not a whole run directory")
         if (out / "metrics.jsonl").exists():
-            with warnings.catch_warnings():           # a cut last line is reported once, when train drops it
+            # a cut last line is reported once, when train drops it
+            with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                read_metrics(out / "metrics.jsonl")    # a damaged line: an error now, before any work
+                # a damaged line: an error now, before any work
+                read_metrics(out / "metrics.jsonl")
         return
     if (out / "last.pt").exists():
-        raise CLIError(f"{out} already holds a run; add --resume to continue it, or pass another --out")
-    found = [n for n in RUN_FILES if (out / n).exists()] + sorted(p.name for p in out.glob("step-*.pt"))
+        raise CLIError(f"{out} already holds a run; add --resume to continue it, "
+                       "or pass another --out")
+    found = ([n for n in RUN_FILES if (out / n).exists()]
+             + sorted(p.name for p in out.glob("step-*.pt")))
     if found:
-        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) but no last.pt to resume; "
-                       f"pass another --out, or delete those files")
+        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) "
+                       "but no last.pt to resume; pass another --out, or delete "
+                       "those files")
 
 
-def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: int, exact: bool) -> None:
-    "Every training pair must fit one piece of a step: batch_tokens / pieces padded slots."
+def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: int,
+                        exact: bool) -> None:
+    ("Every training pair must fit one piece of a step: batch_tokens / pieces padded "
+     "slots.")
     if train_config.batch_tokens // pieces < longest:
-        split = f" in each of the {pieces} pieces of a step (--accum-steps, processes)" if pieces > 1 else ""
-        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: the longest training pair needs "
-                       f"{'' if exact else 'at least '}{longest} tokens{split}; use --batch-tokens {longest * pieces} "
-                       f"or more (the {args.preset} preset uses {TrainConfig.preset(args.preset).batch_tokens})")
+        split = (f" in each of the {pieces} pieces of a step (--accum-steps, processes)"
+                 if pieces > 1 else "")
+        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: "
+                       "the longest training pair needs "
+                       f"{'' if exact else 'at least '}{longest} tokens{split}; "
+                       f"use --batch-tokens {longest * pieces} or more (the "
+                       f"{args.preset} preset uses "
+                       f"{TrainConfig.preset(args.preset).batch_tokens})")
 
 
 def cmd_train(args) -> int:
     if args.src == args.tgt:
-        raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different languages")
+        raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
+                       "languages")
     device = _device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
-        keep_freed_memory()                  # see "Shared helpers": the next step reuses this step's pages
+        # see "Shared helpers": the next step reuses this step's pages
+        keep_freed_memory()
     rank, world_size, local_rank = init_distributed(device.type)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    try:   # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it saves and stops
+    # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it
+    # saves and stops
+    try:
         return _train(args, device, rank, world_size)
     finally:
         if main_thread:
@@ -402,12 +523,16 @@ def _terminate(signum, frame):
 
 
 def _train(args, device: torch.device, rank: int, world_size: int) -> int:
-    "Check every flag, then the run directory, which process 0 holds (`run_lock`) for the whole run."
-    out = Path(args.out) if args.out else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}"
-    _configs(args, args.vocab_size or VOCAB_SIZE)          # every flag checked before any work
+    ("Check every flag, then the run directory, which process 0 holds (`run_lock`) "
+     "for the whole run.")
+    out = (Path(args.out) if args.out
+           else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}")
+    # every flag checked before any work
+    _configs(args, args.vocab_size or VOCAB_SIZE)
     if rank != 0:
         return _train_in(out, args, device, rank, world_size)
-    _check_out(out, args)                              # before the lock: a refused run leaves no trace
+    # before the lock: a refused run leaves no trace
+    _check_out(out, args)
     created = not out.exists()
     try:
         with run_lock(out):
@@ -415,112 +540,154 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
             try:
                 return _train_in(out, args, device, rank, world_size)
             except BaseException:
-                if not args.resume and not (out / "last.pt").exists():  # no checkpoint yet: leave no stub files
-                    for path in [*(out / name for name in RUN_FILES), *out.glob("step-*.pt")]:
+                # no checkpoint yet: leave no stub files
+                if not args.resume and not (out / "last.pt").exists():
+                    for path in [*(out / name for name in RUN_FILES),
+                                 *out.glob("step-*.pt")]:
                         path.unlink(missing_ok=True)
                 raise
     finally:
         if created:
             with contextlib.suppress(OSError):
-                out.rmdir()                            # only if empty: the run failed before writing anything
+                # only if empty: the run failed before writing anything
+                out.rmdir()
 
 
 def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int) -> int:
-    "The run: data, tokenizer, config.json, the training loop, then the final evaluation (process 0)."
+    ("The run: data, tokenizer, config.json, the training loop, then the final "
+     "evaluation (process 0).")
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    train_pairs, val_pairs = _pairs(args, "train", args.src, args.tgt), _pairs(args, "val", args.src, args.tgt)
+    train_pairs, val_pairs = (_pairs(args, "train", args.src, args.tgt),
+                              _pairs(args, "val", args.src, args.tgt))
     model_config, train_config = _configs(args, args.vocab_size or VOCAB_SIZE)
     pieces = world_size * train_config.accum_steps
-    words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]   # a piece per word at least
-    _check_batch_tokens(args, train_config, max((w for w in words if w <= model_config.max_len), default=0),
-                        pieces, exact=False)     # before the tokenizer: a hopeless budget fails at once
+    # a piece per word at least
+    words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]
+    # before the tokenizer: a hopeless budget fails at once
+    _check_batch_tokens(args, train_config,
+                        max((w for w in words if w <= model_config.max_len), default=0),
+                        pieces, exact=False)
 
     tok_path = out / "tokenizer.model"
     if args.resume:
         _check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
     else:
         if rank == 0:
-            Tokenizer.train([s for pair in train_pairs for s in pair], args.vocab_size or VOCAB_SIZE).save(tok_path)
+            Tokenizer.train([s for pair in train_pairs for s in pair],
+                            args.vocab_size or VOCAB_SIZE).save(tok_path)
         if world_size > 1:
             dist.barrier()
     tokenizer = Tokenizer.load(tok_path)
     V = tokenizer.vocab_size
     if args.resume and args.vocab_size not in (None, V):
-        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's vocabulary is fixed by its "
-                       f"{tok_path} ({V} pieces); drop --vocab-size")
+        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's "
+                       f"vocabulary is fixed by its {tok_path} ({V} pieces); drop "
+                       "--vocab-size")
     model_config, train_config = _configs(args, V)
     examples = make_examples(tokenizer, train_pairs, model_config.max_len)
-    _check_batch_tokens(args, train_config, max(max(len(s), len(t)) for s, t in examples), pieces, exact=True)
+    _check_batch_tokens(args, train_config,
+                        max(max(len(s), len(t)) for s, t in examples), pieces,
+                        exact=True)
     run_config = _run_config(args, model_config, train_config)
     if args.resume:
-        _check_same_run(json.loads((out / "config.json").read_text()), run_config, out / "config.json")
+        _check_same_run(json.loads((out / "config.json").read_text()), run_config,
+                        out / "config.json")
     elif rank == 0:
         _write_json(out / "config.json", run_config)
-    run = {"tokenizer_sha256": sha256_file(tok_path)}     # every checkpoint names its tokenizer
+    # every checkpoint names its tokenizer
+    run = {"tokenizer_sha256": sha256_file(tok_path)}
 
-    provenance = _provenance()               # now: the files may change while a long run goes on
+    # now: the files may change while a long run goes on
+    provenance = _provenance()
     torch.manual_seed(args.seed)
     model = Transformer(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
-    say(f"{'resuming' if args.resume else 'training'} {args.preset} ({model.num_parameters():,} parameters, "
-        f"vocabulary {V:,}) on {len(examples):,} {args.src}->{args.tgt} pairs; {_device_name(device)}"
+    say(f"{'resuming' if args.resume else 'training'} {args.preset} "
+        f"({model.num_parameters():,} parameters, "
+        f"vocabulary {V:,}) on {len(examples):,} {args.src}->{args.tgt} pairs; "
+        f"{_device_name(device)}"
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
-    result = train(model, examples, val_examples, train_config, out_dir=out, resume=args.resume,
-                   on_eval=bleu_callback(tokenizer, val_pairs), progress=not args.quiet, run=run)
+    result = train(model, examples, val_examples, train_config, out_dir=out,
+                   resume=args.resume,
+                   on_eval=bleu_callback(tokenizer, val_pairs),
+                   progress=not args.quiet, run=run)
     if result.stopped == "interrupted":
         signum = result.signal or signal.SIGINT
-        again = "python -m transformer " + shlex.join([*args.argv, *([] if args.resume else ["--resume"])])
-        print(f"{signal.Signals(signum).name} at step {result.step}: saved {out / 'last.pt'}; continue with: {again}",
+        again = "python -m transformer " + shlex.join(
+            [*args.argv, *([] if args.resume else ["--resume"])])
+        print(f"{signal.Signals(signum).name} at step {result.step}: saved "
+              f"{out / 'last.pt'}; continue with: {again}",
               file=sys.stderr)
-        return 128 + signum                  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + signum
     if rank != 0:
         return 0
 
     final_start = time.perf_counter()
-    candidates = {"best": model_from_checkpoint(out / "best.pt", device) if (out / "best.pt").exists()
+    candidates = {"best": model_from_checkpoint(out / "best.pt", device)
+                          if (out / "best.pt").exists()
                   else model.eval()}
     keep = train_config.keep_checkpoints
     snapshots = sorted(out.glob("step-*.pt"))[-keep:] if keep else []
-    if len(snapshots) >= 2:                   # the paper's checkpoint averaging (section 6.1)
+    # the paper's checkpoint averaging (section 6.1)
+    if len(snapshots) >= 2:
         averaged = average_checkpoints(snapshots)
         candidates["averaged"] = model_from_checkpoint(averaged, device)
-        save_checkpoint(out / "averaged.pt", candidates["averaged"], progress=averaged["progress"], run=run)
-    on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=args.beam, alpha=args.alpha)
+        save_checkpoint(out / "averaged.pt", candidates["averaged"],
+                        progress=averaged["progress"], run=run)
+    on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=args.beam,
+                             alpha=args.alpha)
               for name, m in candidates.items()}
-    chosen = max(on_val, key=lambda name: on_val[name]["bleu"])  # picked on val only; a tie keeps best.pt
+    # picked on val only; a tie keeps best.pt
+    chosen = max(on_val, key=lambda name: on_val[name]["bleu"])
     val = on_val[chosen]
     test = val if args.eval_split == "val" else evaluate(
-        candidates[chosen], tokenizer, _pairs(args, args.eval_split, args.src, args.tgt),
+        candidates[chosen], tokenizer,
+        _pairs(args, args.eval_split, args.src, args.tgt),
         beam_size=args.beam, alpha=args.alpha)
-    greedy = test if args.beam == 1 else evaluate(     # greedy too: the number most Multi30k papers give
-        candidates[chosen], tokenizer, _pairs(args, args.eval_split, args.src, args.tgt), beam_size=1)
-    results = {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"], "chrf": test["chrf"],
-               "split": args.eval_split, "beam": args.beam, "alpha": args.alpha, "checkpoint": chosen,
-               "averaged": [p.name for p in snapshots] if "averaged" in candidates else [],
+    # greedy too: the number most Multi30k papers give
+    greedy = test if args.beam == 1 else evaluate(
+        candidates[chosen], tokenizer,
+        _pairs(args, args.eval_split, args.src, args.tgt), beam_size=1)
+    results = {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
+               "chrf": test["chrf"],
+               "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
+               "checkpoint": chosen,
+               "averaged": ([p.name for p in snapshots] if "averaged" in candidates
+                            else []),
                "greedy": {k: greedy[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
                "val": {k: val[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
-               "val_by_checkpoint": {name: {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
+               "val_by_checkpoint": {name: {k: s[k]
+                                            for k in ("bleu", "bleu_lc_tok", "chrf")}
                                      for name, s in on_val.items()},
                "final_eval_seconds": time.perf_counter() - final_start,
-               "train_seconds": result.train_seconds, "eval_seconds": result.eval_seconds,
+               "train_seconds": result.train_seconds,
+               "eval_seconds": result.eval_seconds,
                "tokens_per_second": result.tokens_per_second,
-               "steps": result.step, "epochs": round(result.epochs, 3), "stopped": result.stopped,
-               "best_step": (result.best or {}).get("step"), "device": _device_name(device),
-               "world_size": world_size, "torch": torch.__version__, "params": model.num_parameters(),
+               "steps": result.step, "epochs": round(result.epochs, 3),
+               "stopped": result.stopped,
+               "best_step": (result.best or {}).get("step"),
+               "device": _device_name(device),
+               "world_size": world_size, "torch": torch.__version__,
+               "params": model.num_parameters(),
                "preset": args.preset, "src": args.src, "tgt": args.tgt,
                "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
                "train_config": asdict(train_config),
                "command": "python -m transformer " + " ".join(args.argv), **provenance,
                "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     _write_json(out / "results.json", results)
-    say(f"{result.step} steps in {result.train_seconds / 60:.1f} min ({result.eval_seconds / 60:.1f} of them "
-        f"validating), {result.tokens_per_second:,.0f} target tokens/s of training; best.pt from step {results['best_step']}")
+    say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
+        f"({result.eval_seconds / 60:.1f} of them validating), "
+        f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
+        f"from step {results['best_step']}")
     if len(on_val) > 1:
-        say("val BLEU by checkpoint: " + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
+        say("val BLEU by checkpoint: "
+            + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
             f"; using {chosen}.pt")
-    for name, s in (("val", val), (args.eval_split, test))[: 1 if args.eval_split == "val" else 2]:
-        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  "
-            f"chrF {s['chrf']:.2f}  (beam {args.beam})")
+    for name, s in (("val", val),
+                    (args.eval_split, test))[: 1 if args.eval_split == "val" else 2]:
+        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
+            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam})")
     return 0
 
 # %% ../book/c_commands.ipynb #c011
@@ -532,13 +699,16 @@ def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
 
 
 def _input_lines(args) -> list[str]:
-    "The sentences to translate: the arguments, else stdin's lines; UTF-8 checked, with the place of a bad byte."
+    ("The sentences to translate: the arguments, else stdin's lines; UTF-8 checked, "
+     "with the place of a bad byte.")
     if args.text:
         for i, text in enumerate(args.text, start=1):
             try:
                 text.encode("utf-8")
-            except UnicodeEncodeError:   # undecodable bytes in argv arrive as lone surrogates
-                raise CLIError(f"argument {i} is not valid UTF-8 text; pass UTF-8 (convert with iconv -t utf-8)") from None
+            # undecodable bytes in argv arrive as lone surrogates
+            except UnicodeEncodeError:
+                raise CLIError(f"argument {i} is not valid UTF-8 text; pass UTF-8 "
+                               "(convert with iconv -t utf-8)") from None
         return list(args.text)
     raw = getattr(sys.stdin, "buffer", None)
     lines = []
@@ -547,97 +717,122 @@ def _input_lines(args) -> list[str]:
             try:
                 line = line.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise CLIError(f"stdin line {number} is not valid UTF-8 (byte {line[e.start:e.start + 1]!r} at column "
-                               f"{e.start + 1}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+                raise CLIError(f"stdin line {number} is not valid UTF-8 (byte "
+                               f"{line[e.start:e.start + 1]!r} at column "
+                               f"{e.start + 1}); convert it, e.g. iconv -f latin1 "
+                               "-t utf-8") from None
         lines.append(line.rstrip("\r\n"))
     return lines
 
 
 def cmd_translate(args) -> int:
-    texts = _input_lines(args)                              # checked before the model loads
+    # checked before the model loads
+    texts = _input_lines(args)
     if not any(t.strip() for t in texts):
-        raise CLIError("no input: pass sentences as arguments, or pipe them to stdin one per line")
+        raise CLIError("no input: pass sentences as arguments, or pipe them to "
+                       "stdin one per line")
     model, tokenizer, _ = _setup_inference(args)
-    for line in translate(model, tokenizer, [t.strip() for t in texts], beam_size=args.beam, alpha=args.alpha):
+    for line in translate(model, tokenizer, [t.strip() for t in texts],
+                          beam_size=args.beam, alpha=args.alpha):
         print(line)
     return 0
 
 
 def cmd_evaluate(args) -> int:
     if (args.src_file is None) != (args.ref_file is None):
-        raise CLIError("--src-file and --ref-file go together: pass both, or neither and --split")
+        raise CLIError("--src-file and --ref-file go together: pass both, or "
+                       "neither and --split")
     if args.src_file and args.split:
         raise CLIError("pass either --split or --src-file/--ref-file, not both")
-    if args.output and (Path(args.output).is_dir() or not Path(args.output).resolve().parent.is_dir()):
+    if args.output and (Path(args.output).is_dir()
+                        or not Path(args.output).resolve().parent.is_dir()):
         raise CLIError(f"--output {args.output}: name a file in an existing directory")
-    if args.src_file:                          # the files are read before the model loads: a bad one fails at once
-        pairs, where = read_parallel(args.src_file, args.ref_file), f"{args.src_file} -> {args.ref_file}"
+    # the files are read before the model loads: a bad one fails at once
+    if args.src_file:
+        pairs, where = (read_parallel(args.src_file, args.ref_file),
+                        f"{args.src_file} -> {args.ref_file}")
     model, tokenizer, config = _setup_inference(args)
     if not args.src_file:
         data = config.get("data", {})
         if "src" not in data or "tgt" not in data:
-            raise CLIError(f"{args.model}/config.json does not say the languages; use --src-file/--ref-file")
+            raise CLIError(f"{args.model}/config.json does not say the languages; "
+                           "use --src-file/--ref-file")
         split = args.split or "test_2016_flickr"
         pairs = _pairs(args, split, data["src"], data["tgt"])
         where = f"{split} ({data['src']}->{data['tgt']})"
     pairs = pairs[:args.limit] if args.limit else pairs
     if args.output:
-        hyps = translate(model, tokenizer, [src for src, _ in pairs], beam_size=args.beam, alpha=args.alpha)
-        atomic_write(args.output, lambda f: f.write("".join(h + "\n" for h in hyps)), mode="w")
+        hyps = translate(model, tokenizer, [src for src, _ in pairs],
+                         beam_size=args.beam, alpha=args.alpha)
+        atomic_write(args.output, lambda f: f.write("".join(h + "\n" for h in hyps)),
+                     mode="w")
         s = score(hyps, [ref for _, ref in pairs])
     else:
         s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)
     if args.json:
-        print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"], "chrf": s["chrf"], "data": where,
-                          "sentences": len(pairs), "beam": args.beam, "alpha": args.alpha,
+        print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"],
+                          "chrf": s["chrf"], "data": where,
+                          "sentences": len(pairs), "beam": args.beam,
+                          "alpha": args.alpha,
                           "signatures": s["signatures"]}))
     else:
-        print(f"{where}, {len(pairs)} sentences, beam {args.beam}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  "
-              f"lc-tok BLEU {s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
+        print(f"{where}, {len(pairs)} sentences, beam {args.beam}: BLEU "
+              f"{s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
+              f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
     return 0
 
 
 def _converted(state: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
-    "The floating tensors in `dtype`; tensors that share storage (tied embeddings) still share it, so are stored once."
+    ("The floating tensors in `dtype`; tensors that share storage (tied embeddings) "
+     "still share it, so are stored once.")
     done: dict[int, torch.Tensor] = {}
     out = {}
     for k, v in state.items():
         if dtype is not None and v.is_floating_point():
             key = v.untyped_storage().data_ptr()
-            v = done[key] if key in done and done[key].shape == v.shape else done.setdefault(key, v.detach().to(dtype))
+            v = (done[key] if key in done and done[key].shape == v.shape
+                 else done.setdefault(key, v.detach().to(dtype)))
         out[k] = v.detach()
     return out
 
 
 def cmd_export(args) -> int:
-    """Write a run's chosen weights as a small model directory that `translate` and `evaluate` read: the weights in
-    half precision (`--half`, the default; about half the bytes, the same translations up to rounding), the run's
-    tokenizer.model and config.json, and a results.json that names the source run, its scores and the sha256 of the
-    weights file."""
+    """Write a run's chosen weights as a small model directory that `translate` and
+    `evaluate` read: the weights in half precision (`--half`, the default; about half
+    the bytes, the same translations up to rounding), the run's tokenizer.model and
+    config.json, and a results.json that names the source run, its scores and the
+    sha256 of the weights file."""
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CLIError(f"--out {out} exists and is not an empty directory; pass a new directory")
+        raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
+                       "new directory")
     run_dir = Path(args.model)
     which = _chosen(run_dir) if args.checkpoint == "chosen" else args.checkpoint
     model, tokenizer, config = load_run(run_dir, which)
-    state = {"format": load_checkpoint(run_dir / f"{which}.pt")["format"], "model_config": model.config.to_dict(),
-             "model": _converted(model.state_dict(), torch.float16 if args.half else None),
+    state = {"format": load_checkpoint(run_dir / f"{which}.pt")["format"],
+             "model_config": model.config.to_dict(),
+             "model": _converted(model.state_dict(),
+                                 torch.float16 if args.half else None),
              "run": {"tokenizer_sha256": sha256_file(run_dir / "tokenizer.model")},
              "progress": {"exported_from": f"{run_dir.name}/{which}.pt"}}
     out.mkdir(parents=True, exist_ok=True)
     try:
         atomic_write(out / "best.pt", lambda f: torch.save(state, f))
-        atomic_write(out / "tokenizer.model", lambda f: f.write((run_dir / "tokenizer.model").read_bytes()))
+        atomic_write(out / "tokenizer.model",
+                     lambda f: f.write((run_dir / "tokenizer.model").read_bytes()))
         _write_json(out / "config.json", config)
         try:
             source = json.loads((run_dir / "results.json").read_text())
         except (OSError, json.JSONDecodeError):
             source = {}
-        keep = ("bleu", "bleu_lc_tok", "chrf", "split", "beam", "alpha", "greedy", "val", "steps", "command",
-                "git_commit", "cpu", "threads", "torch", "started_utc", "finished_utc", "params")
+        keep = ("bleu", "bleu_lc_tok", "chrf", "split", "beam", "alpha", "greedy",
+                "val", "steps", "command", "git_commit", "cpu", "threads", "torch",
+                "started_utc", "finished_utc", "params")
         _write_json(out / "results.json", {
-            "checkpoint": "best", "exported_from": str(run_dir), "source_checkpoint": f"{which}.pt",
-            "dtype": "float16" if args.half else "float32", "weights_sha256": sha256_file(out / "best.pt"),
+            "checkpoint": "best", "exported_from": str(run_dir),
+            "source_checkpoint": f"{which}.pt",
+            "dtype": "float16" if args.half else "float32",
+            "weights_sha256": sha256_file(out / "best.pt"),
             "tokenizer_sha256": state["run"]["tokenizer_sha256"],
             "source_results": {k: source[k] for k in keep if k in source}})
     except BaseException:
@@ -645,8 +840,10 @@ def cmd_export(args) -> int:
             (out / name).unlink(missing_ok=True)
         raise
     size = (out / "best.pt").stat().st_size
-    print(f"wrote {out}: {which}.pt of {run_dir} as {'float16' if args.half else 'float32'} weights "
-          f"({size / 2**20:.1f} MiB, sha256 {sha256_file(out / 'best.pt')[:12]}…), tokenizer.model, config.json, results.json")
+    print(f"wrote {out}: {which}.pt of {run_dir} as "
+          f"{'float16' if args.half else 'float32'} weights ({size / 2**20:.1f} "
+          f"MiB, sha256 {sha256_file(out / 'best.pt')[:12]}…), tokenizer.model, "
+          "config.json, results.json")
     return 0
 
 # %% ../book/c_commands.ipynb #c013
@@ -660,7 +857,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = bool(os.environ.get("TRANSFORMER_DEBUG"))
     show = warnings.showwarning
-    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}", file=sys.stderr)
+    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}",
+                                                          file=sys.stderr)
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
@@ -672,12 +870,14 @@ def main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return e.code
-    except (DataError, CheckpointError, TrainingError, ValueError, TypeError, OSError) as e:
+    except (DataError, CheckpointError, TrainingError, ValueError, TypeError,
+            OSError) as e:
         if debug:
             raise
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt as e:      # before the training loop, or a second signal inside it
+    # before the training loop, or a second signal inside it
+    except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         print(f"error: interrupted ({name})", file=sys.stderr)
         return code

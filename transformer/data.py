@@ -40,13 +40,15 @@ __all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'DataError', 'cache_dir', 'm
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
-    "Per-user cache for downloads: `$XDG_CACHE_HOME/transformer-book/multi30k` (default `~/.cache/...`)."
+    ("Per-user cache for downloads: `$XDG_CACHE_HOME/transformer-book/multi30k` "
+     "(default `~/.cache/...`).")
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "transformer-book" / "multi30k"
 
 
 def multi30k_dir(data_dir: str | os.PathLike | None = None) -> Path:
-    "Where Multi30k is looked for first: `<data_dir>/multi30k`, else `$TRANSFORMER_DATA/multi30k`, else `cache_dir()`."
+    ("Where Multi30k is looked for first: `<data_dir>/multi30k`, else "
+     "`$TRANSFORMER_DATA/multi30k`, else `cache_dir()`.")
     if data_dir is not None:
         return Path(data_dir) / "multi30k"
     env = os.environ.get("TRANSFORMER_DATA")
@@ -84,7 +86,8 @@ def _fetch(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
     fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=dest.name + ".", suffix=".part")
     try:
         try:
-            with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=60) as response:
+            with os.fdopen(fd, "wb") as out, \
+                    urllib.request.urlopen(url, timeout=60) as response:
                 total = int(response.headers.get("Content-Length") or 0) or None
                 with tqdm(total=total, unit="B", unit_scale=True, desc=dest.name,
                           disable=not progress) as bar:
@@ -93,15 +96,17 @@ def _fetch(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
                         bar.update(len(chunk))
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise DataError(
-                f"could not download {url}: {e}. Check the network, or set TRANSFORMER_DATA to a "
-                f"directory that holds multi30k/{dest.name}, or set TRANSFORMER_DATA_URL to a mirror."
+                f"could not download {url}: {e}. Check the network, or set "
+                f"TRANSFORMER_DATA to a directory that holds multi30k/{dest.name}, "
+                "or set TRANSFORMER_DATA_URL to a mirror."
             ) from e
         got = sha256_file(tmp)
         if sha256 is not None and got != sha256:
             raise DataError(
-                f"checksum mismatch for {dest.name} downloaded from {url}: expected sha256 "
-                f"{sha256}, got {got}. The download is corrupt or the file changed upstream; "
-                f"try again, or point TRANSFORMER_DATA_URL at a copy of the original files."
+                f"checksum mismatch for {dest.name} downloaded from {url}: "
+                f"expected sha256 {sha256}, got {got}. The download is corrupt or "
+                "the file changed upstream; try again, or point "
+                "TRANSFORMER_DATA_URL at a copy of the original files."
             )
         os.replace(tmp, dest)
     finally:
@@ -109,14 +114,19 @@ def _fetch(url: str, dest: Path, sha256: str | None, progress: bool) -> None:
             os.remove(tmp)
 
 
-def download_multi30k(splits: str | Iterable[str] = SPLITS, langs: str | Iterable[str] = LANGS, *,
-                      dest: str | os.PathLike | None = None, base_url: str | None = None,
-                      checksums: dict[str, str] | None = None, progress: bool = True) -> Path:
-    """Download the Multi30k files for `splits` x `langs` into `dest` (default `cache_dir()`).
+def download_multi30k(splits: str | Iterable[str] = SPLITS,
+                      langs: str | Iterable[str] = LANGS, *,
+                      dest: str | os.PathLike | None = None,
+                      base_url: str | None = None,
+                      checksums: dict[str, str] | None = None,
+                      progress: bool = True) -> Path:
+    """Download the Multi30k files for `splits` x `langs` into `dest` (default
+    `cache_dir()`).
 
     Files already there with the right checksum are kept. `base_url` defaults to
-    `$TRANSFORMER_DATA_URL`, else the dataset's GitHub repository. `checksums` maps file names to
-    SHA-256 sums (default: the sums of the original files). Returns `dest`."""
+    `$TRANSFORMER_DATA_URL`, else the dataset's GitHub repository. `checksums` maps
+    file names to SHA-256 sums (default: the sums of the original files). Returns
+    `dest`."""
     splits = _as_tuple("split", splits, SPLITS)
     langs = _as_tuple("lang", langs, LANGS)
     dest = Path(dest) if dest is not None else cache_dir()
@@ -134,20 +144,26 @@ def download_multi30k(splits: str | Iterable[str] = SPLITS, langs: str | Iterabl
 
 # %% ../book/a_data.ipynb #fa173145
 def _read_lines(path: Path) -> list[str]:
-    "The lines of a gzipped or plain UTF-8 text file, stripped; `DataError` on anything else."
+    ("The lines of a gzipped or plain UTF-8 text file, stripped; `DataError` on "
+     "anything else.")
     if not path.is_file():
         raise DataError(f"{path}: no such file; check the path")
     raw = path.read_bytes()
-    if path.suffix == ".gz" and raw[:2] != b"\x1f\x8b":  # named gzip, but without gzip's magic number
-        raise DataError(f"{path}: not a gzip file (its name ends in .gz but it does not start with gzip's bytes "
-                        f"1f 8b); download or copy it again, or give a plain text file a name without .gz")
+    # named gzip, but without gzip's magic number
+    if path.suffix == ".gz" and raw[:2] != b"\x1f\x8b":
+        raise DataError(f"{path}: not a gzip file (its name ends in .gz but it "
+                        "does not start with gzip's bytes 1f 8b); download or "
+                        "copy it again, or give a plain text file a name without "
+                        ".gz")
     if raw[:2] == b"\x1f\x8b":  # gzip magic number
         try:
             raw = gzip.decompress(raw)
         except (OSError, EOFError) as e:
-            raise DataError(f"{path}: not a valid gzip file ({e}); download or copy it again") from e
+            raise DataError(f"{path}: not a valid gzip file ({e}); download or "
+                            "copy it again") from e
     lines = raw.split(b"\n")
-    if lines[-1] == b"":  # a final newline ends the last line, it does not start a new one
+    # a final newline ends the last line, it does not start a new one
+    if lines[-1] == b"":
         lines.pop()
     out = []
     for number, line in enumerate(lines, start=1):
@@ -155,26 +171,30 @@ def _read_lines(path: Path) -> list[str]:
             text = line.decode("utf-8")
         except UnicodeDecodeError as e:
             raise DataError(
-                f"{path}: line {number} is not valid UTF-8 (byte {line[e.start:e.start + 1]!r} at "
-                f"column {e.start + 1}); convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
+                f"{path}: line {number} is not valid UTF-8 (byte "
+                f"{line[e.start:e.start + 1]!r} at column {e.start + 1}); convert "
+                "the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
             ) from None
         out.append(text.lstrip("\ufeff").strip() if number == 1 else text.strip())
     return out
 
 
-def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> list[tuple[str, str]]:
+def read_parallel(src_path: str | os.PathLike,
+                  tgt_path: str | os.PathLike) -> list[tuple[str, str]]:
     """Read two aligned text files (gzipped or plain UTF-8, one sentence per line) into
     `(source, target)` pairs. Pairs with an empty side are dropped with a warning."""
     src_path, tgt_path = Path(src_path), Path(tgt_path)
     src, tgt = _read_lines(src_path), _read_lines(tgt_path)
     if len(src) != len(tgt):
         raise DataError(
-            f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has {len(tgt)} lines; "
-            f"line i of one file must translate line i of the other"
+            f"line counts differ: {src_path} has {len(src)} lines, {tgt_path} has "
+            f"{len(tgt)} lines; line i of one file must translate line i of the "
+            "other"
         )
     pairs = [(s, t) for s, t in zip(src, tgt) if s and t]
     if not pairs:
-        raise DataError(f"empty corpus: {src_path} and {tgt_path} hold no pair of non-empty lines")
+        raise DataError(f"empty corpus: {src_path} and {tgt_path} hold no pair of "
+                        "non-empty lines")
     if len(pairs) < len(src):
         empty = [i for i, (s, t) in enumerate(zip(src, tgt), start=1) if not (s and t)]
         shown = ", ".join(map(str, empty[:5])) + (", ..." if len(empty) > 5 else "")
@@ -184,7 +204,8 @@ def read_parallel(src_path: str | os.PathLike, tgt_path: str | os.PathLike) -> l
 
 # %% ../book/a_data.ipynb #452cce15
 def _find(name: str, data_dir) -> Path | None:
-    for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]):  # ordered, no duplicates
+    # ordered, no duplicates
+    for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]):
         if (d / name).is_file():
             return d / name
     return None
@@ -192,22 +213,26 @@ def _find(name: str, data_dir) -> Path | None:
 
 def load_multi30k(src_lang: str = "de", tgt_lang: str = "en", split: str = "train", *,
                   data_dir: str | os.PathLike | None = None, download: bool = True,
-                  base_url: str | None = None, progress: bool = True) -> list[tuple[str, str]]:
-    """Multi30k `(source, target)` sentence pairs for two of `LANGS` and one of `SPLITS`.
+                  base_url: str | None = None,
+                  progress: bool = True) -> list[tuple[str, str]]:
+    """Multi30k `(source, target)` sentence pairs for two of `LANGS` and one of
+    `SPLITS`.
 
-    Looks in `multi30k_dir(data_dir)`, then `cache_dir()`; downloads missing files into the
-    cache when `download` is true (checksums verified)."""
+    Looks in `multi30k_dir(data_dir)`, then `cache_dir()`; downloads missing files into
+    the cache when `download` is true (checksums verified)."""
     _check_choice("src_lang", src_lang, LANGS)
     _check_choice("tgt_lang", tgt_lang, LANGS)
     _check_choice("split", split, SPLITS)
     if src_lang == tgt_lang:
-        raise ValueError(f"src_lang and tgt_lang are both {src_lang!r}; pick two different languages")
+        raise ValueError(f"src_lang and tgt_lang are both {src_lang!r}; pick two "
+                         "different languages")
     paths = []
     for lang in (src_lang, tgt_lang):
         name = _file_name(split, lang)
         path = _find(name, data_dir)
         if path is None:
-            where = " and ".join(str(d) for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]))
+            where = " and ".join(
+                str(d) for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]))
             fix = (f"set TRANSFORMER_DATA to a directory that contains multi30k/{name} "
                    f"(see the Multi30k repository, data/task1/raw)")
             if not download:
@@ -216,8 +241,8 @@ def load_multi30k(src_lang: str = "de", tgt_lang: str = "en", split: str = "trai
             try:
                 download_multi30k(split, lang, base_url=base_url, progress=progress)
             except DataError as e:
-                raise DataError(f"{name} not found in {where}, and downloading it failed: {e} "
-                                f"To fix: {fix}") from e
+                raise DataError(f"{name} not found in {where}, and downloading it "
+                                f"failed: {e} To fix: {fix}") from e
             path = cache_dir() / name
         paths.append(path)
     return read_parallel(*paths)

@@ -24,13 +24,17 @@ def length_penalty(length: int, alpha: float = 0.6) -> float:
 
 
 def _output_limits(model: Transformer, src: torch.Tensor, extra_len: int) -> list[int]:
-    "How many tokens (EOS included) each output may have: source length + extra_len, within max_len."
-    if not isinstance(src, torch.Tensor) or src.dim() != 2 or src.size(0) == 0 or src.size(1) == 0:
-        shape = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
-        raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {shape}")
+    ("How many tokens (EOS included) each output may have: "
+     "source length + extra_len, within max_len.")
+    if (not isinstance(src, torch.Tensor) or src.dim() != 2 or src.size(0) == 0
+            or src.size(1) == 0):
+        shape = (tuple(src.shape) if isinstance(src, torch.Tensor)
+                 else type(src).__name__)
+        raise ValueError("src must be a non-empty (B, S) tensor of token ids, "
+                         f"got {shape}")
     if isinstance(extra_len, bool) or not isinstance(extra_len, int) or extra_len < 0:
         raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
-    lengths = (src != model.config.pad_id).sum(1).tolist()              # (B,) real source tokens
+    lengths = (src != model.config.pad_id).sum(1).tolist()  # (B,) real source tokens
     return [max(1, min(n + extra_len, model.config.max_len - 1)) for n in lengths]
 
 
@@ -52,49 +56,63 @@ def _heads(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
 
 def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             mask: torch.Tensor | None) -> torch.Tensor:
-    "Multi-head attention of new queries x (N, 1, d_model) over cached keys/values (N, h, T, d_k)."
-    out, _ = scaled_dot_product_attention(_heads(mha, mha.w_q(x)), k, v, mask)   # (N, h, 1, d_k)
-    return mha.w_o(out.transpose(1, 2).reshape(x.size(0), -1, mha.d_model))      # (N, 1, d_model)
+    ("Multi-head attention of new queries x (N, 1, d_model) over cached keys/values "
+     "(N, h, T, d_k).")
+    out, _ = scaled_dot_product_attention(_heads(mha, mha.w_q(x)), k, v,
+                                          mask)  # (N, h, 1, d_k)
+    return mha.w_o(out.transpose(1, 2).reshape(x.size(0), -1,
+                                               mha.d_model))  # (N, 1, d_model)
 
 
 class PrefixDecoder:
-    "Next-token logits by running the decoder over the whole prefix (the training computation)."
+    ("Next-token logits by running the decoder over the whole prefix "
+     "(the training computation).")
 
-    def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor):
+    def __init__(self, model: Transformer, memory: torch.Tensor,
+                 src_mask: torch.Tensor):
         self.model, self.memory, self.src_mask = model, memory, src_mask
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         "ys (N, t+1) -> logits (N, V) of token t+1."
-        mask = causal_mask(ys.size(1), device=ys.device)                       # (1, 1, t+1, t+1)
-        hidden = self.model.decode(ys, self.memory, self.src_mask, mask)        # (N, t+1, d_model)
+        mask = causal_mask(ys.size(1), device=ys.device)    # (1, 1, t+1, t+1)
+        hidden = self.model.decode(ys, self.memory, self.src_mask,
+                                   mask)                    # (N, t+1, d_model)
         return self.model.generator(hidden[:, -1])
 
     def reorder(self, rows: list[int]) -> None:
-        "Rows of the next step come from these rows (beam search); nothing is cached here."
+        ("Rows of the next step come from these rows (beam search); "
+         "nothing is cached here.")
 
 
 class CachedDecoder:
     "Next-token logits from the newest token only, with per-layer key/value caches."
 
-    def __init__(self, model: Transformer, memory: torch.Tensor, src_mask: torch.Tensor):
+    def __init__(self, model: Transformer, memory: torch.Tensor,
+                 src_mask: torch.Tensor):
         self.model, self.src_mask = model, src_mask
-        self.memory_kv = [(_heads(l.cross_attn, l.cross_attn.w_k(memory)),            # (N, h, S, d_k), once
-                           _heads(l.cross_attn, l.cross_attn.w_v(memory))) for l in model.decoder.layers]
-        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(model.decoder.layers)
+        # (N, h, S, d_k), once
+        self.memory_kv = [(_heads(l.cross_attn, l.cross_attn.w_k(memory)),
+                           _heads(l.cross_attn, l.cross_attn.w_v(memory)))
+                          for l in model.decoder.layers]
+        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = (
+            [None] * len(model.decoder.layers))
 
     def _self_attention(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
         sa = layer.self_attn
-        k, v = _heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x))                   # (N, h, 1, d_k)
+        k, v = _heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x))  # (N, h, 1, d_k)
         if self.self_kv[i] is not None:
-            k, v = torch.cat([self.self_kv[i][0], k], 2), torch.cat([self.self_kv[i][1], v], 2)
-        self.self_kv[i] = (k, v)                                               # (N, h, t+1, d_k)
-        return _attend(sa, x, k, v, None)           # the newest token may see every earlier one
+            k, v = (torch.cat([self.self_kv[i][0], k], 2),
+                    torch.cat([self.self_kv[i][1], v], 2))
+        self.self_kv[i] = (k, v)                             # (N, h, t+1, d_k)
+        return _attend(sa, x, k, v, None)  # the newest token may see every earlier one
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
-        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
+        ("ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the "
+         "last call.")
         m, t = self.model, ys.size(1) - 1
-        y = m.tgt_embed(ys[:, -1:]) + m.pos.pe[t]                             # (N, 1, d_model)
-        for i, layer in enumerate(m.decoder.layers):                           # DecoderLayer.forward, one position
+        y = m.tgt_embed(ys[:, -1:]) + m.pos.pe[t]            # (N, 1, d_model)
+        # DecoderLayer.forward, one position
+        for i, layer in enumerate(m.decoder.layers):
             mk, mv = self.memory_kv[i]
             if layer.norm_first:
                 y = y + self._self_attention(i, layer, layer.norm1(y))
@@ -104,27 +122,30 @@ class CachedDecoder:
                 y = layer.norm1(y + self._self_attention(i, layer, y))
                 y = layer.norm2(y + _attend(layer.cross_attn, y, mk, mv, self.src_mask))
                 y = layer.norm3(y + layer.feed_forward(y))
-        return m.generator(m.decoder.norm(y)[:, -1])                           # (N, V)
+        return m.generator(m.decoder.norm(y)[:, -1])         # (N, V)
 
     def reorder(self, rows: list[int]) -> None:
-        "Beam search re-ordered the rows: the caches follow (the memory's rows are the same)."
+        ("Beam search re-ordered the rows: the caches follow "
+         "(the memory's rows are the same).")
         index = torch.tensor(rows, device=self.self_kv[0][0].device)
         self.self_kv = [(k[index], v[index]) for k, v in self.self_kv]
 
 
 def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool):
     "Encode once; return the decoder state for `copies` rows per sentence."
-    src_mask = padding_mask(src, model.config.pad_id)                          # (B, 1, 1, S)
-    memory = model.encode(src, src_mask)                                       # (B, S, d_model)
+    src_mask = padding_mask(src, model.config.pad_id)     # (B, 1, 1, S)
+    memory = model.encode(src, src_mask)                  # (B, S, d_model)
     if copies > 1:
-        memory, src_mask = memory.repeat_interleave(copies, 0), src_mask.repeat_interleave(copies, 0)
+        memory, src_mask = (memory.repeat_interleave(copies, 0),
+                            src_mask.repeat_interleave(copies, 0))
     return (CachedDecoder if cache else PrefixDecoder)(model, memory, src_mask)
 
 # %% ../book/09_decoding.ipynb #c009
 @torch.no_grad()
 def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
                   cache: bool = True) -> list[list[int]]:
-    "Batched greedy decoding: source ids (B, S) -> B lists of output ids (no BOS, no EOS)."
+    ("Batched greedy decoding: source ids (B, S) -> B lists of output ids "
+     "(no BOS, no EOS).")
     limits = _output_limits(model, src, extra_len)
     state = _start(model, src, 1, cache)
     B, device, pad = src.size(0), src.device, model.config.pad_id
@@ -142,26 +163,30 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
 
 # %% ../book/09_decoding.ipynb #c011
 @torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4, alpha: float = 0.6,
-                extra_len: int = 50, cache: bool = True) -> list[list[int]]:
-    "Batched beam search with GNMT's length penalty: source ids (B, S) -> B lists of output ids."
+def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
+                alpha: float = 0.6, extra_len: int = 50,
+                cache: bool = True) -> list[list[int]]:
+    ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
+     "B lists of output ids.")
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
     if not alpha >= 0:
         raise ValueError(f"alpha={alpha!r} must be >= 0")
     limits = _output_limits(model, src, extra_len)
     K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
-    state = _start(model, src, K, cache)                                 # encoder once, K rows per sentence
+    # encoder once, K rows per sentence
+    state = _start(model, src, K, cache)
     ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
-    scores = torch.full((B, K), -math.inf, device=device)                # (B, K) log P of each hypothesis
-    scores[:, 0] = 0.0                                                   # one live hypothesis at the start
+    # (B, K) log P of each hypothesis
+    scores = torch.full((B, K), -math.inf, device=device)
+    scores[:, 0] = 0.0  # one live hypothesis at the start
     finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
     done = [False] * B
     for t in range(max(limits)):
         logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
         V = logp.size(-1)
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
-        top, flat = cand.topk(min(2 * K, K * V), dim=-1)                 # (B, 2K) best extensions
+        top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
         top, beam, token = top.tolist(), (flat // V).tolist(), (flat % V).tolist()
         lp = length_penalty(t + 1, alpha)
         rows, tokens, new_scores = [], [], []
@@ -172,42 +197,51 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4, alpha
                     if s == -math.inf:
                         break
                     if w == EOS:
-                        if j < K:                                        # EOS among the top K: finished
+                        if j < K:                  # EOS among the top K: finished
                             finished[b].append((s / lp, ys[b * K + k, 1:].tolist()))
                     elif len(keep) < K:
                         keep.append((k, w, s))
-                if t + 1 >= limits[b]:                                   # out of room: the beam ends here
-                    finished[b] += [(s / lp, ys[b * K + k, 1:].tolist() + [w]) for k, w, s in keep]
+                if t + 1 >= limits[b]:            # out of room: the beam ends here
+                    finished[b] += [(s / lp, ys[b * K + k, 1:].tolist() + [w])
+                                    for k, w, s in keep]
                     keep = []
                 done[b] = len(finished[b]) >= K or not keep
-            keep += [(0, pad, -math.inf)] * (K - len(keep))              # idle rows of finished sentences
+            # idle rows of finished sentences
+            keep += [(0, pad, -math.inf)] * (K - len(keep))
             rows += [b * K + k for k, _, _ in keep]
             tokens += [w for _, w, _ in keep]
             new_scores += [s for _, _, s in keep]
         if all(done):
             break
-        ys = torch.cat([ys[rows], torch.tensor(tokens, device=device)[:, None]], dim=1)  # (B*K, t+2)
+        ys = torch.cat([ys[rows], torch.tensor(tokens, device=device)[:, None]],
+                       dim=1)                                            # (B*K, t+2)
         state.reorder(rows)
         scores = torch.tensor(new_scores, device=device).view(B, K)
     return [_until_eos(max(f, key=lambda x: x[0])[1]) if f else [] for f in finished]
 
 # %% ../book/09_decoding.ipynb #c013
-def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str], beam_size: int = 1,
-              alpha: float = 0.6, extra_len: int = 50, batch_size: int = 64) -> list[str]:
-    "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4 and alpha=0.6."
+def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
+              beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
+              batch_size: int = 64) -> list[str]:
+    ("Raw source texts -> raw target texts. `beam_size=1` is greedy search; "
+     "the paper used 4 and alpha=0.6.")
     if isinstance(texts, str):
-        raise TypeError("texts must be a list of sentences; wrap a single sentence in a list: [text]")
+        raise TypeError("texts must be a list of sentences; "
+                        "wrap a single sentence in a list: [text]")
     texts = list(texts)
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
+            or batch_size < 1):
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
     if tokenizer.vocab_size != model.config.src_vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model expects "
-                         f"src_vocab={model.config.src_vocab}; use the tokenizer the model was trained with")
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
+                         f"model expects src_vocab={model.config.src_vocab}; "
+                         "use the tokenizer the model was trained with")
     device = next(model.parameters()).device
     ids = tokenizer.encode_batch(texts, eos=True)
     too_long = [i for i, x in enumerate(ids) if len(x) > model.config.max_len]
     if too_long:
-        warnings.warn(f"{len(too_long)} source(s) longer than max_len={model.config.max_len} tokens "
+        warnings.warn(f"{len(too_long)} source(s) longer than "
+                      f"max_len={model.config.max_len} tokens "
                       f"were cut to that length", stacklevel=2)
         for i in too_long:
             ids[i] = ids[i][:model.config.max_len - 1] + [EOS]
@@ -218,7 +252,8 @@ def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str], beam_s
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            src, _ = pad_batch([ids[i] for i in chunk], pad_id=model.config.pad_id)  # (b, S)
+            src, _ = pad_batch([ids[i] for i in chunk],
+                               pad_id=model.config.pad_id)                 # (b, S)
             src = src.to(device)
             hyps = (greedy_search(model, src, extra_len) if beam_size == 1
                     else beam_search(model, src, beam_size, alpha, extra_len))

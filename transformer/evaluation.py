@@ -19,13 +19,16 @@ __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']
 def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
     for name, xs in (("hyps", hyps), ("refs", refs)):
         if isinstance(xs, str):
-            raise TypeError(f"{name} must be a list of sentences, not a single string; wrap it in a list")
+            raise TypeError(f"{name} must be a list of sentences, not a single string; "
+                            "wrap it in a list")
         bad = [i for i, x in enumerate(xs) if not isinstance(x, str)]
         if bad:
-            raise TypeError(f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
+            raise TypeError(
+                f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
     hyps, refs = list(hyps), list(refs)
     if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up line by line")
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; "
+                         "they must pair up line by line")
     if not hyps:
         raise ValueError("no sentences to score: hyps and refs are empty")
     return hyps, refs
@@ -38,7 +41,8 @@ def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
 
 
 def bleu_lc_tok(hyps: Sequence[str], refs: Sequence[str]) -> float:
-    "Lowercased, 13a-tokenized corpus BLEU (`sacrebleu -lc`): the kind the Multi30k literature reports."
+    """Lowercased, 13a-tokenized corpus BLEU (`sacrebleu -lc`): the kind the Multi30k
+    literature reports."""
     hyps, refs = _check(hyps, refs)
     return BLEU(lowercase=True, tokenize="13a").corpus_score(hyps, [refs]).score
 
@@ -52,7 +56,8 @@ def chrf(hyps: Sequence[str], refs: Sequence[str]) -> float:
 def score(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     "All three scores, and the sacreBLEU signatures that say how they were computed."
     hyps, refs = _check(hyps, refs)
-    metrics = {"bleu": BLEU(), "bleu_lc_tok": BLEU(lowercase=True, tokenize="13a"), "chrf": CHRF()}
+    metrics = {"bleu": BLEU(), "bleu_lc_tok": BLEU(lowercase=True, tokenize="13a"),
+               "chrf": CHRF()}
     out = {name: m.corpus_score(hyps, [refs]).score for name, m in metrics.items()}
     out["signatures"] = {name: str(m.get_signature()) for name, m in metrics.items()}
     return out
@@ -60,18 +65,21 @@ def score(hyps: Sequence[str], refs: Sequence[str]) -> dict:
 # %% ../book/10_evaluation.ipynb #c013
 def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
              beam_size: int = 1, alpha: float = 0.6, batch_size: int = 64) -> dict:
-    "Translate the sources of `(source, reference)` pairs and score them: bleu, bleu_lc_tok, chrf, signatures."
+    """Translate the sources of `(source, reference)` pairs and score them: bleu,
+    bleu_lc_tok, chrf, signatures."""
     pairs = list(pairs)
     if not pairs:
         raise ValueError("no (source, reference) pairs to evaluate")
-    hyps = translate(model, tokenizer, [s for s, _ in pairs], beam_size=beam_size, alpha=alpha,
-                     batch_size=batch_size)
+    hyps = translate(model, tokenizer, [s for s, _ in pairs], beam_size=beam_size,
+                     alpha=alpha, batch_size=batch_size)
     return score(hyps, [r for _, r in pairs])
 
 
-def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]], beam_size: int = 1,
-                  alpha: float = 0.6) -> Callable[[Transformer, int], dict]:
-    "An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and chrf on `pairs`."
+def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
+                  beam_size: int = 1, alpha: float = 0.6
+                  ) -> Callable[[Transformer, int], dict]:
+    """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
+    chrf on `pairs`."""
     pairs = list(pairs)
 
     def on_eval(model: Transformer, step: int) -> dict:

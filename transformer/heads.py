@@ -23,15 +23,18 @@ class MultiHeadAttention(nn.Module):
     def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
         if not (isinstance(h, int) and h >= 1 and isinstance(d_model, int) and d_model >= 1):
-            raise ValueError(f"d_model and h must be positive integers, got d_model={d_model!r}, h={h!r}")
+            raise ValueError("d_model and h must be positive integers, got "
+                             f"d_model={d_model!r}, h={h!r}")
         if d_model % h:
-            raise ValueError(f"d_model={d_model} is not divisible by h={h}; choose h that divides d_model "
+            raise ValueError(f"d_model={d_model} is not divisible by h={h}; choose "
+                             "h that divides d_model "
                              f"(the paper uses d_model=512, h=8)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1)")
         self.d_model, self.h, self.d_k = d_model, h, d_model // h
         self.dropout = dropout
-        self.w_q = nn.Linear(d_model, d_model, bias=bias)       # the h matrices W_i^Q side by side
+        # the h matrices W_i^Q side by side
+        self.w_q = nn.Linear(d_model, d_model, bias=bias)
         self.w_k = nn.Linear(d_model, d_model, bias=bias)       # W_i^K
         self.w_v = nn.Linear(d_model, d_model, bias=bias)       # W_i^V
         self.w_o = nn.Linear(d_model, d_model, bias=bias)       # W^O
@@ -41,32 +44,41 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, dropout={self.dropout}"
 
-    def _check(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> None:
+    def _check(self, query: Tensor, key: Tensor, value: Tensor,
+               mask: Tensor | None) -> None:
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dim() != 3 or t.size(-1) != self.d_model:
-                raise ValueError(f"{name} must have shape (B, T, d_model={self.d_model}), got {tuple(t.shape)}")
+                raise ValueError(f"{name} must have shape (B, T, "
+                                 f"d_model={self.d_model}), got {tuple(t.shape)}")
         if not (query.size(0) == key.size(0) == value.size(0)):
-            raise ValueError(f"batch sizes differ: query {query.size(0)}, key {key.size(0)}, value {value.size(0)}")
+            raise ValueError(f"batch sizes differ: query {query.size(0)}, key "
+                             f"{key.size(0)}, value {value.size(0)}")
         if key.size(1) != value.size(1):
-            raise ValueError(f"key has length T_k={key.size(1)} but value has length {value.size(1)}; "
+            raise ValueError(f"key has length T_k={key.size(1)} but value has "
+                             f"length {value.size(1)}; "
                              "every key needs exactly one value")
         if mask is None:
             return
         if mask.dtype != torch.bool:
-            raise TypeError(f"mask must be a bool tensor (True = may attend), got dtype {mask.dtype}")
+            raise TypeError("mask must be a bool tensor (True = may attend), got "
+                            f"dtype {mask.dtype}")
         target = (query.size(0), self.h, query.size(1), key.size(1))
         if mask.dim() < 2:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} needs at least 2 dimensions (T_q, T_k); "
+            raise ValueError(f"mask of shape {tuple(mask.shape)} needs at least 2 "
+                             "dimensions (T_q, T_k); "
                              f"it must broadcast to (B, h, T_q, T_k) = {target}")
         if mask.dim() == 3 and mask.size(0) != 1:
-            raise ValueError(f"a 3-D mask of shape {tuple(mask.shape)} is ambiguous (its first dimension would "
-                             f"line up with the heads); give it as (B, 1, T_q, T_k) with mask[:, None]")
+            raise ValueError(f"a 3-D mask of shape {tuple(mask.shape)} is ambiguous "
+                             "(its first dimension would "
+                             "line up with the heads); give it as (B, 1, T_q, T_k) "
+                             "with mask[:, None]")
         try:
             ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
         except RuntimeError:
             ok = False
         if not ok:
-            raise ValueError(f"mask of shape {tuple(mask.shape)} is not broadcastable to "
+            raise ValueError(f"mask of shape {tuple(mask.shape)} is not "
+                             "broadcastable to "
                              f"(B, h, T_q, T_k) = {target}")
 
     def _split(self, x: Tensor) -> Tensor:
@@ -82,13 +94,14 @@ class MultiHeadAttention(nn.Module):
         bias = None if any(l.bias is None for l in linears) else torch.cat([l.bias for l in linears])
         return list(F.linear(x, weight, bias).chunk(len(linears), dim=-1))
 
-    def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+    def forward(self, query: Tensor, key: Tensor, value: Tensor,
+                mask: Tensor | None = None,
                 need_weights: bool = False, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
         self._check(query, key, value, mask)
         B, T_q, _ = query.shape
-        if query is key and key is value:                       # self-attention: Q, K, V in one product
+        if query is key and key is value:  # self-attention: Q, K, V in one product
             q, k, v = self._project(query, self.w_q, self.w_k, self.w_v)
-        elif key is value:                                      # cross-attention: K, V in one product
+        elif key is value:  # cross-attention: K, V in one product
             (q,), (k, v) = self._project(query, self.w_q), self._project(key, self.w_k, self.w_v)
         else:
             q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)
@@ -96,8 +109,9 @@ class MultiHeadAttention(nn.Module):
         out, weights = scaled_dot_product_attention(
             q, k, v, mask, dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights or self.store_weights,
-            is_causal=is_causal)                                # (B, h, T_q, d_k), (B, h, T_q, T_k) or None
+            is_causal=is_causal)  # (B, h, T_q, d_k), (B, h, T_q, T_k) or None
         if self.store_weights:
             self.last_weights = weights.detach()
-        out = out.transpose(1, 2).reshape(B, T_q, self.d_model)  # concat the heads: (B, T_q, d_model)
+        # concat the heads: (B, T_q, d_model)
+        out = out.transpose(1, 2).reshape(B, T_q, self.d_model)
         return self.w_o(out), (weights if need_weights else None)

@@ -13,34 +13,42 @@ __all__ = ['padding_mask', 'causal_mask', 'decoder_mask', 'teacher_forcing']
 # %% ../book/07_masking.ipynb #c007
 def _check_ids(ids: torch.Tensor, who: str) -> None:
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        shape = (tuple(ids.shape) if isinstance(ids, torch.Tensor)
+                 else type(ids).__name__)
         raise ValueError(f"{who} expects token ids of shape (B, T), got {shape}")
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
         raise TypeError(f"{who} expects integer token ids, got dtype {ids.dtype}")
 
 # %% ../book/07_masking.ipynb #c008
 def padding_mask(ids: torch.Tensor, pad_id: int = PAD) -> torch.Tensor:
-    "True where a key is a real token: (B, T) ids -> (B, 1, 1, T), broadcast over heads and queries."
+    """True where a key is a real token: (B, T) ids -> (B, 1, 1, T), broadcast over
+    heads and queries."""
     _check_ids(ids, "padding_mask")
     return (ids != pad_id)[:, None, None, :]                         # (B, 1, 1, T)
 
 # %% ../book/07_masking.ipynb #c013
 def causal_mask(T: int, device=None) -> torch.Tensor:
-    "True on and below the diagonal: query i may attend to keys 0..i. Shape (1, 1, T, T)."
+    """True on and below the diagonal: query i may attend to keys 0..i.
+    Shape (1, 1, T, T)."""
     if isinstance(T, bool) or not isinstance(T, (int, torch.SymInt)) or T < 1:
         raise ValueError(f"causal_mask needs a length T >= 1, got T={T!r}")
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]  # (1, 1, T, T)
+    return torch.ones(T, T, dtype=torch.bool,
+                      device=device).tril()[None, None]              # (1, 1, T, T)
 
 # %% ../book/07_masking.ipynb #c018
 def decoder_mask(ids: torch.Tensor, pad_id: int = PAD) -> torch.Tensor:
-    "The decoder's self-attention mask: causal AND not padding. (B, T) ids -> (B, 1, T, T)."
+    """The decoder's self-attention mask: causal AND not padding.
+    (B, T) ids -> (B, 1, T, T)."""
     _check_ids(ids, "decoder_mask")
-    return padding_mask(ids, pad_id) & causal_mask(ids.size(1), device=ids.device)  # (B, 1, T, T)
+    return (padding_mask(ids, pad_id)
+            & causal_mask(ids.size(1), device=ids.device))           # (B, 1, T, T)
 
 # %% ../book/07_masking.ipynb #c023
 def teacher_forcing(tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "Split `BOS y_1 ... y_n EOS` into decoder input (all but the last) and labels (all but the first)."
+    """Split `BOS y_1 ... y_n EOS` into decoder input (all but the last) and labels
+    (all but the first)."""
     _check_ids(tgt, "teacher_forcing")
     if tgt.size(1) < 2:
-        raise ValueError(f"teacher_forcing needs targets of length >= 2 (BOS ... EOS), got T={tgt.size(1)}")
+        raise ValueError("teacher_forcing needs targets of length >= 2 (BOS ... EOS), "
+                         f"got T={tgt.size(1)}")
     return tgt[:, :-1], tgt[:, 1:]                                   # (B, T-1) each

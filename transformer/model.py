@@ -19,31 +19,39 @@ __all__ = ['PRESETS', 'TransformerConfig', 'Transformer']
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {
     "tiny":  dict(d_model=64,   d_ff=256,  h=4,  n_layers=2, dropout=0.1),
-    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.3, norm_first=True),  # pre-LN, 0.3: see below
-    "base":  dict(d_model=512,  d_ff=2048, h=8,  n_layers=6, dropout=0.1),  # Table 3, row "base"
-    "big":   dict(d_model=1024, d_ff=4096, h=16, n_layers=6, dropout=0.3),  # Table 3, row "big"
+    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.3,
+                  norm_first=True),  # pre-LN, 0.3: see below
+    # Table 3, row "base"
+    "base":  dict(d_model=512,  d_ff=2048, h=8,  n_layers=6, dropout=0.1),
+    # Table 3, row "big"
+    "big":   dict(d_model=1024, d_ff=4096, h=16, n_layers=6, dropout=0.3),
 }
 
 # %% ../book/07_1_model.ipynb #c006
 @dataclass
 class TransformerConfig:
-    "Every size of the model in one place. Build one with `TransformerConfig.preset(name, **overrides)`."
+    """Every size of the model in one place. Build one with
+    `TransformerConfig.preset(name, **overrides)`."""
     src_vocab: int
     tgt_vocab: int
     d_model: int = 512
     d_ff: int = 2048
     h: int = 8
     n_layers: int = 6
-    dropout: float = 0.1         # P_drop: sub-layer outputs and embedding sums (section 5.4)
-    attention_dropout: float = 0.0  # tensor2tensor's extras, not in the paper's text: attention weights,
+    # P_drop: sub-layer outputs and embedding sums (section 5.4)
+    dropout: float = 0.1
+    # tensor2tensor's extras, not in the paper's text: attention weights,
+    attention_dropout: float = 0.0
     ffn_dropout: float = 0.0        # ... and the FFN's hidden units
     max_len: int = 1024          # longest sequence the positional table covers
     norm_first: bool = False     # False: post-LN as in the paper; True: pre-LN
-    tie_embeddings: bool = True  # share source/target embeddings and the generator's weight
+    # share source/target embeddings and the generator's weight
+    tie_embeddings: bool = True
     pad_id: int = PAD
 
     def __post_init__(self):
-        for name in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h", "n_layers", "max_len"):
+        for name in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h", "n_layers",
+                     "max_len"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -52,23 +60,30 @@ class TransformerConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by h={self.h}; "
                              f"choose h among the divisors of d_model, e.g. {divisors}")
         if self.d_model % 2:
-            raise ValueError(f"d_model={self.d_model} must be even (the sinusoids come in sin/cos pairs)")
+            raise ValueError(f"d_model={self.d_model} must be even "
+                             "(the sinusoids come in sin/cos pairs)")
         for name in ("dropout", "attention_dropout", "ffn_dropout"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not 0 <= value < 1):
                 raise ValueError(f"{name}={value!r} must be in [0, 1)")
         if not 0 <= self.pad_id < min(self.src_vocab, self.tgt_vocab):
-            raise ValueError(f"pad_id={self.pad_id} must be a token id below both vocab sizes "
-                             f"(src_vocab={self.src_vocab}, tgt_vocab={self.tgt_vocab})")
+            raise ValueError(f"pad_id={self.pad_id} must be a token id below both "
+                             "vocab sizes "
+                             f"(src_vocab={self.src_vocab}, "
+                             f"tgt_vocab={self.tgt_vocab})")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformerConfig":
-        "A named size (`tiny`, `small`, `base`, `big`) with any field overridden; vocab sizes are required."
+        """A named size (`tiny`, `small`, `base`, `big`) with any field overridden;
+        vocab sizes are required."""
         if name not in PRESETS:
-            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(PRESETS)}")
+            raise ValueError(f"unknown preset {name!r}; "
+                             f"known presets: {', '.join(PRESETS)}")
         missing = [k for k in ("src_vocab", "tgt_vocab") if k not in overrides]
         if missing:
-            raise TypeError(f"preset({name!r}) needs {' and '.join(f'{k}=' for k in missing)} "
+            raise TypeError(f"preset({name!r}) needs "
+                            f"{' and '.join(f'{k}=' for k in missing)} "
                             f"(the vocab_size of your tokenizer)")
         return cls(**{**PRESETS[name], **overrides})
 
@@ -81,31 +96,39 @@ class TransformerConfig:
         known = {f.name for f in fields(cls)}
         unknown = set(d) - known
         if unknown:
-            raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}; known fields: {sorted(known)}")
+            raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}; "
+                             f"known fields: {sorted(known)}")
         return cls(**d)
 
 # %% ../book/07_1_model.ipynb #c010
 class Transformer(nn.Module):
-    "The encoder-decoder of Figure 1: embeddings + positions, N encoder layers, N decoder layers, generator."
+    """The encoder-decoder of Figure 1: embeddings + positions, N encoder layers,
+    N decoder layers, generator."""
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = self.config = config
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
-        self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)  # no weights: shared by both sides
-        self.pos.dropout = Dropout(c.dropout)                        # chapter 6's dropout, cheaper on CPU
+        # no weights: shared by both sides
+        self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)
+        self.pos.dropout = Dropout(c.dropout)  # chapter 6's dropout, cheaper on CPU
         extras = dict(attention_dropout=c.attention_dropout, ffn_dropout=c.ffn_dropout)
-        self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
-        self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first, **extras)
-        self.generator = nn.Linear(c.d_model, c.tgt_vocab)          # logits; the softmax lives in the loss
+        self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout,
+                               c.norm_first, **extras)
+        self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout,
+                               c.norm_first, **extras)
+        # logits; the softmax lives in the loss
+        self.generator = nn.Linear(c.d_model, c.tgt_vocab)
         self._reset_parameters()
         if c.tie_embeddings:
-            self.generator.weight = self.tgt_embed.embedding.weight  # Press & Wolf (2017)
-            if c.src_vocab == c.tgt_vocab:                           # one shared vocabulary: tie all three
+            # Press & Wolf (2017)
+            self.generator.weight = self.tgt_embed.embedding.weight
+            if c.src_vocab == c.tgt_vocab:  # one shared vocabulary: tie all three
                 self.src_embed.embedding.weight = self.tgt_embed.embedding.weight
 
     def _reset_parameters(self):
-        "Xavier-uniform matrices and zero biases in the stacks; N(0, 1/d_model) embeddings and output layer."
+        """Xavier-uniform matrices and zero biases in the stacks; N(0, 1/d_model)
+        embeddings and output layer."""
         for module in [*self.encoder.modules(), *self.decoder.modules()]:
             if isinstance(module, nn.Linear):
                 nn.init.xavier_uniform_(module.weight)
@@ -121,61 +144,78 @@ class Transformer(nn.Module):
 
     def _check_ids(self, ids: torch.Tensor, vocab: int, name: str) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+            shape = (tuple(ids.shape) if isinstance(ids, torch.Tensor)
+                     else type(ids).__name__)
             raise ValueError(f"{name} must be token ids of shape (B, T), got {shape}")
-        if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+        if (ids.dtype.is_floating_point or ids.dtype.is_complex
+                or ids.dtype == torch.bool):
+            raise TypeError(f"{name} must hold integer token ids, "
+                            f"got dtype {ids.dtype}")
         if ids.size(1) == 0:
-            raise ValueError(f"{name} is empty (T=0); every sequence needs at least one token")
+            raise ValueError(f"{name} is empty (T=0); "
+                             "every sequence needs at least one token")
         if ids.size(1) > self.config.max_len:
-            raise ValueError(f"{name} has length T={ids.size(1)} > max_len={self.config.max_len}; "
-                             f"truncate it or build the model with max_len>={ids.size(1)}")
+            raise ValueError(f"{name} has length T={ids.size(1)} "
+                             f"> max_len={self.config.max_len}; "
+                             "truncate it or build the model with "
+                             f"max_len>={ids.size(1)}")
         if torch.compiler.is_compiling():
             return  # value checks read the data; skip them inside a compiled graph
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} holds token id {bad} outside the vocabulary [0, {vocab})")
+            raise ValueError(f"{name} holds token id {bad} "
+                             f"outside the vocabulary [0, {vocab})")
 
-    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
-        "Source ids (B, S) -> memory (B, S, d_model). The mask defaults to the padding mask of `src`."
+    def encode(self, src: torch.Tensor,
+               src_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Source ids (B, S) -> memory (B, S, d_model). The mask defaults to the padding
+        mask of `src`."""
         self._check_ids(src, self.config.src_vocab, "src")
         return self._encode(src, src_mask)
 
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
-               src_mask: torch.Tensor | None = None, tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        "Target ids (B, T) + memory -> hidden states (B, T, d_model). Pass `src_mask` if the source has padding."
+               src_mask: torch.Tensor | None = None,
+               tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Target ids (B, T) + memory -> hidden states (B, T, d_model). Pass `src_mask`
+        if the source has padding."""
         self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in")
-        if memory.dim() != 3 or memory.size(0) != tgt_in.size(0) or memory.size(-1) != self.config.d_model:
-            raise ValueError(f"memory of shape {tuple(memory.shape)} does not fit tgt_in of shape "
-                             f"{tuple(tgt_in.shape)}; expected (B={tgt_in.size(0)}, S, d_model={self.config.d_model})")
+        if (memory.dim() != 3 or memory.size(0) != tgt_in.size(0)
+                or memory.size(-1) != self.config.d_model):
+            raise ValueError(f"memory of shape {tuple(memory.shape)} does not fit "
+                             f"tgt_in of shape {tuple(tgt_in.shape)}; expected "
+                             f"(B={tgt_in.size(0)}, S, d_model={self.config.d_model})")
         return self._decode(tgt_in, memory, src_mask, tgt_mask)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        "Teacher-forced pass: source ids (B, S), shifted target ids (B, T) -> logits (B, T, tgt_vocab)."
+        """Teacher-forced pass: source ids (B, S), shifted target ids (B, T)
+        -> logits (B, T, tgt_vocab)."""
         return self.generator(self.features(src, tgt_in))            # (B, T, tgt_vocab)
 
     def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
-        """`forward` without the generator: the decoder's output (B, T, d_model), for a loss that needs the
-        logits of the real (non-pad) positions only."""
+        """`forward` without the generator: the decoder's output (B, T, d_model), for a
+        loss that needs the logits of the real (non-pad) positions only."""
         self._check_ids(src, self.config.src_vocab, "src")
         self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in")
         if src.size(0) != tgt_in.size(0):
-            raise ValueError(f"src and tgt_in have different batch sizes: {src.size(0)} != {tgt_in.size(0)}")
-        src_mask = self._source_mask(src)                            # (B, 1, 1, S), or None: no padding
+            raise ValueError("src and tgt_in have different batch sizes: "
+                             f"{src.size(0)} != {tgt_in.size(0)}")
+        src_mask = self._source_mask(src)           # (B, 1, 1, S), or None: no padding
         memory = self._encode(src, src_mask)                         # (B, S, d_model)
         y = self.pos(self.tgt_embed(tgt_in))                         # (B, T, d_model)
-        return self.decoder(y, memory, None, src_mask, tgt_is_causal=True)  # right padding: causal suffices
+        # right padding: causal suffices
+        return self.decoder(y, memory, None, src_mask, tgt_is_causal=True)
 
     def _source_mask(self, src):
-        "The padding mask of `src`, or None when the batch has no padding (the kernel's fastest case)."
+        """The padding mask of `src`, or None when the batch has no padding
+        (the kernel's fastest case)."""
         if torch.compiler.is_compiling() or (src == self.config.pad_id).any():
             return padding_mask(src, self.config.pad_id)
         return None
 
-    def _encode(self, src, src_mask):                                # inputs already checked
+    def _encode(self, src, src_mask):                        # inputs already checked
         if src_mask is None:
-            src_mask = self._source_mask(src)                         # (B, 1, 1, S) or None
+            src_mask = self._source_mask(src)                 # (B, 1, 1, S) or None
         x = self.pos(self.src_embed(src))                            # (B, S, d_model)
         return self.encoder(x, src_mask)                             # (B, S, d_model)
 

@@ -13,39 +13,48 @@ __all__ = ['sinusoidal_encoding', 'PositionalEncoding', 'LearnedPositionalEmbedd
 
 # %% ../book/05_positions.ipynb #c007
 def sinusoidal_encoding(max_len: int, d_model: int) -> torch.Tensor:
-    "The paper's table PE of shape (max_len, d_model): sin on even dimensions, cos on odd ones."
+    ("The paper's table PE of shape (max_len, d_model): sin on even dimensions, "
+     "cos on odd ones.")
     if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
         raise ValueError(f"max_len={max_len!r} must be a positive int")
-    if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 2 or d_model % 2:
-        raise ValueError(f"d_model={d_model!r} must be a positive even int (sin/cos come in pairs)")
-    pos = torch.arange(max_len, dtype=torch.float64)[:, None]         # (max_len, 1)
-    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)         # (d_model/2,): 0, 2, 4, ...
-    omega = torch.exp(-math.log(10000.0) * two_i / d_model)          # 1 / 10000^(2i/d_model)
-    angle = pos * omega                                              # (max_len, d_model/2)
+    if (isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 2
+            or d_model % 2):
+        raise ValueError(f"d_model={d_model!r} must be a positive even int "
+                         "(sin/cos come in pairs)")
+    pos = torch.arange(max_len, dtype=torch.float64)[:, None]   # (max_len, 1)
+    # (d_model/2,): 0, 2, 4, ...
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64)
+    omega = torch.exp(-math.log(10000.0) * two_i / d_model)    # 1 / 10000^(2i/d_model)
+    angle = pos * omega                                        # (max_len, d_model/2)
     pe = torch.empty(max_len, d_model, dtype=torch.float64)
     pe[:, 0::2] = torch.sin(angle)
     pe[:, 1::2] = torch.cos(angle)
-    return pe.to(torch.get_default_dtype())                          # (max_len, d_model)
+    return pe.to(torch.get_default_dtype())                    # (max_len, d_model)
 
 # %% ../book/05_positions.ipynb #c017
 def _check_input(x: torch.Tensor, d_model: int, max_len: int, who: str) -> None:
     if x.dim() != 3 or x.size(-1) != d_model:
-        raise ValueError(f"{who} expects x of shape (B, T, d_model={d_model}), got {tuple(x.shape)}")
+        raise ValueError(f"{who} expects x of shape (B, T, d_model={d_model}), "
+                         f"got {tuple(x.shape)}")
     if x.size(1) > max_len:
-        raise ValueError(f"sequence length T={x.size(1)} exceeds the positional table's "
-                         f"max_len={max_len}; build {who} with max_len>={x.size(1)}")
+        raise ValueError(f"sequence length T={x.size(1)} exceeds the positional "
+                         f"table's max_len={max_len}; build {who} with "
+                         f"max_len>={x.size(1)}")
 
 # %% ../book/05_positions.ipynb #c018
 class PositionalEncoding(nn.Module):
-    "Add the fixed sinusoidal table to a batch of embeddings, then dropout: `dropout(x + PE[:T])`."
+    ("Add the fixed sinusoidal table to a batch of embeddings, then dropout: "
+     "`dropout(x + PE[:T])`.")
     def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000):
         super().__init__()
         self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout)
-        # a buffer moves with .to(device/dtype) but is no parameter; not saved: it is recomputed
-        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model), persistent=False)
+        # a buffer moves with .to(device/dtype) but is no parameter; not saved: it is
+        # recomputed
+        self.register_buffer("pe", sinusoidal_encoding(max_len, d_model),
+                             persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (B, T, d_model)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:            # x: (B, T, d_model)
         _check_input(x, self.d_model, self.max_len, type(self).__name__)
         return self.dropout(x + self.pe[: x.size(1)])               # (B, T, d_model)
 
@@ -58,10 +67,11 @@ class LearnedPositionalEmbedding(nn.Module):
             raise ValueError(f"max_len={max_len!r} must be a positive int")
         self.d_model, self.max_len = d_model, max_len
         self.embedding = nn.Embedding(max_len, d_model)
-        # same root-mean-square size as the sinusoids (each sin/cos pair has sin² + cos² = 1)
+        # same root-mean-square size as the sinusoids
+        # (each sin/cos pair has sin² + cos² = 1)
         nn.init.normal_(self.embedding.weight, std=0.5 ** 0.5)
         self.dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:              # x: (B, T, d_model)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:            # x: (B, T, d_model)
         _check_input(x, self.d_model, self.max_len, type(self).__name__)
         return self.dropout(x + self.embedding.weight[: x.size(1)])  # (B, T, d_model)

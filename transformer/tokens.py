@@ -32,40 +32,48 @@ class Tokenizer:
         try:
             sp.LoadFromSerializedProto(bytes(model_proto))
         except (RuntimeError, TypeError) as e:
-            raise ValueError(f"not a sentencepiece model ({len(model_proto)} bytes): {e}") from None
+            raise ValueError(f"not a sentencepiece model ({len(model_proto)} "
+                             f"bytes): {e}") from None
         found = tuple(sp.id_to_piece(i) for i in range(min(len(SPECIAL_PIECES), sp.get_piece_size())))
         if found != SPECIAL_PIECES:
-            raise ValueError(f"this sentencepiece model has special pieces {found} at ids 0-3, expected "
+            raise ValueError(f"this sentencepiece model has special pieces {found} "
+                             "at ids 0-3, expected "
                              f"{SPECIAL_PIECES}; train it with Tokenizer.train")
         self.sp = sp
         self._proto = bytes(model_proto)
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 8000, model_type: str = "bpe", *,
+    def train(cls, texts: Iterable[str], vocab_size: int = 8000,
+              model_type: str = "bpe", *,
               character_coverage: float = 1.0, byte_fallback: bool = False,
               num_threads: int = 2) -> "Tokenizer":
         """Train a sentencepiece model in memory on `texts` (one sentence each; pass both
         languages for a joint vocabulary). Same texts and settings give the same model."""
         if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be an iterable of sentences, not a single string")
+            raise TypeError("texts must be an iterable of sentences, not a single "
+                            "string")
         texts = list(texts)
         for i, t in enumerate(texts):
             if not isinstance(t, str):
                 raise TypeError(f"texts[{i}] is a {type(t).__name__}, expected str")
         if not any(t.strip() for t in texts):
-            raise ValueError(f"cannot train a tokenizer on {len(texts)} texts with no characters")
+            raise ValueError(f"cannot train a tokenizer on {len(texts)} texts with "
+                             "no characters")
         if model_type not in MODEL_TYPES:
             raise ValueError(f"model_type={model_type!r} is not one of {MODEL_TYPES}")
         if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_PIECES):
-            raise ValueError(f"vocab_size={vocab_size!r} must be an int larger than the "
+            raise ValueError(f"vocab_size={vocab_size!r} must be an int larger than "
+                             "the "
                              f"{len(SPECIAL_PIECES)} special pieces")
         model = io.BytesIO()
         try:
             spm.SentencePieceTrainer.train(
-                sentence_iterator=iter(texts), model_writer=model, vocab_size=vocab_size,
+                sentence_iterator=iter(texts), model_writer=model,
+                vocab_size=vocab_size,
                 model_type=model_type, character_coverage=character_coverage,
                 byte_fallback=byte_fallback, num_threads=num_threads,
-                pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS, pad_piece=SPECIAL_PIECES[PAD],
+                pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
+                pad_piece=SPECIAL_PIECES[PAD],
                 unk_piece=SPECIAL_PIECES[UNK], bos_piece=SPECIAL_PIECES[BOS],
                 eos_piece=SPECIAL_PIECES[EOS], minloglevel=2)
         except RuntimeError as e:
@@ -73,7 +81,7 @@ class Tokenizer:
                              f"vocab_size={vocab_size} on {len(texts)} texts: {e}") from e
         return cls(model.getvalue())
 
-    # --- persistence -------------------------------------------------------------------------
+    # --- persistence ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
         "The serialized sentencepiece model (what `save` writes; store it in a checkpoint)."
         return self._proto
@@ -95,14 +103,16 @@ class Tokenizer:
     def load(cls, path: str | os.PathLike) -> "Tokenizer":
         path = Path(path)
         if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer model at {path}; train one with Tokenizer.train "
+            raise FileNotFoundError(f"no tokenizer model at {path}; train one with "
+                                    "Tokenizer.train "
                                     f"and save it with .save(path)")
         try:
             return cls(path.read_bytes())
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from None
 
-    def __getstate__(self):  # picklable (e.g. for DataLoader workers): keep the bytes only
+    # picklable (e.g. for DataLoader workers): keep the bytes only
+    def __getstate__(self):
         return {"model_proto": self._proto}
 
     def __setstate__(self, state):
@@ -113,7 +123,7 @@ class Tokenizer:
 
     __hash__ = None
 
-    # --- the vocabulary ----------------------------------------------------------------------
+    # --- the vocabulary ------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
         return self.sp.get_piece_size()
@@ -139,10 +149,11 @@ class Tokenizer:
         except TypeError:
             raise TypeError(f"token id {i!r} is not an integer") from None
         if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is out of range for vocab_size={self.vocab_size}")
+            raise ValueError(f"token id {i} is out of range for "
+                             f"vocab_size={self.vocab_size}")
         return i
 
-    # --- text <-> ids ------------------------------------------------------------------------
+    # --- text <-> ids --------------------------------------------------------------
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         "Token ids of one sentence, optionally wrapped in `BOS ... EOS`."
         if not isinstance(text, str):
@@ -153,7 +164,8 @@ class Tokenizer:
     def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
         "Token ids of many sentences (encoded in parallel by sentencepiece)."
         if isinstance(texts, str):
-            raise TypeError("encode_batch expects a list of sentences, not a single string; use encode")
+            raise TypeError("encode_batch expects a list of sentences, not a single "
+                            "string; use encode")
         texts = list(texts)
         for i, t in enumerate(texts):
             if not isinstance(t, str):
@@ -170,7 +182,8 @@ class Tokenizer:
         "Text of a sequence of ids. `PAD`, `BOS` and `EOS` are dropped; `UNK` shows as ' ⁇ '."
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1:
-                raise ValueError(f"decode expects one sequence (1-D), got shape {tuple(ids.shape)}; "
+                raise ValueError("decode expects one sequence (1-D), got shape "
+                                 f"{tuple(ids.shape)}; "
                                  f"use decode_batch")
             ids = ids.tolist()
         ids = [self._check_id(i) for i in ids]
@@ -179,7 +192,8 @@ class Tokenizer:
     def decode_batch(self, batch: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
         "Text of each row of `batch` (a list of id lists, or a `(B, T)` tensor)."
         if isinstance(batch, torch.Tensor) and batch.dim() != 2:
-            raise ValueError(f"decode_batch expects a (B, T) tensor, got shape {tuple(batch.shape)}")
+            raise ValueError("decode_batch expects a (B, T) tensor, got shape "
+                             f"{tuple(batch.shape)}")
         return [self.decode(row) for row in batch]
 
 # %% ../book/01_tokens.ipynb #908ce33b
@@ -195,7 +209,8 @@ class Embeddings(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-            raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary [0, {vocab_size})")
+            raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary "
+                             f"[0, {vocab_size})")
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=d_model ** -0.5)
@@ -205,11 +220,14 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.long, torch.int32):
-            raise TypeError(f"Embeddings expects integer token ids (long), got dtype {ids.dtype}")
-        return self.embedding(ids) * math.sqrt(self.d_model)  # (B, T) -> (B, T, d_model)
+            raise TypeError("Embeddings expects integer token ids (long), got "
+                            f"dtype {ids.dtype}")
+        # (B, T) -> (B, T, d_model)
+        return self.embedding(ids) * math.sqrt(self.d_model)
 
 # %% ../book/01_tokens.ipynb #04b353fb
-def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | None = None,
+def token_batches(src: Sequence[Sequence[int]],
+                  tgt: Sequence[Sequence[int]] | None = None,
                   max_tokens: int = 4096, *, shuffle: bool = True, seed: int = 0,
                   max_sentences: int | None = None, rank: int = 0,
                   world_size: int = 1) -> list[list[int]]:
@@ -224,10 +242,12 @@ def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | N
     src_lens = [len(s) for s in src]
     tgt_lens = src_lens if tgt is None else [len(t) for t in tgt]
     if len(src_lens) != len(tgt_lens):
-        raise ValueError(f"src has {len(src_lens)} sequences but tgt has {len(tgt_lens)}")
+        raise ValueError(f"src has {len(src_lens)} sequences but tgt has "
+                         f"{len(tgt_lens)}")
     if not src_lens:
         raise ValueError("token_batches got no sequences")
-    for name, value, low in (("max_tokens", max_tokens, 1), ("world_size", world_size, 1)):
+    for name, value, low in (("max_tokens", max_tokens, 1),
+                             ("world_size", world_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
     if max_sentences is not None and (not isinstance(max_sentences, int) or max_sentences < 1):
@@ -237,14 +257,16 @@ def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | N
     cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens)]
     longest = max(range(len(cost)), key=cost.__getitem__)
     if cost[longest] > max_tokens:
-        raise ValueError(f"pair {longest} has {cost[longest]} tokens, more than max_tokens={max_tokens}; "
+        raise ValueError(f"pair {longest} has {cost[longest]} tokens, more than "
+                         f"max_tokens={max_tokens}; "
                          f"raise max_tokens or drop pairs longer than it")
 
     rng = random.Random(seed)
     order = list(range(len(cost)))
     if shuffle:
         rng.shuffle(order)  # random order inside each length bucket ...
-    order.sort(key=lambda i: (cost[i], src_lens[i], tgt_lens[i]))  # ... stable sort makes the buckets
+    # ... stable sort makes the buckets
+    order.sort(key=lambda i: (cost[i], src_lens[i], tgt_lens[i]))
     batches, batch, longest_in_batch = [], [], 0
     for i in order:
         grown = max(longest_in_batch, cost[i])
@@ -260,7 +282,8 @@ def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | N
     if world_size > 1:
         usable = len(batches) // world_size * world_size
         if usable == 0:
-            raise ValueError(f"only {len(batches)} batches for world_size={world_size}; lower max_tokens")
+            raise ValueError(f"only {len(batches)} batches for "
+                             f"world_size={world_size}; lower max_tokens")
         batches = batches[:usable][rank::world_size]
     return batches
 
@@ -278,11 +301,14 @@ def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD) -> tuple[torch.T
             s = list(s)
             t = torch.tensor(s) if s else torch.zeros(0, dtype=torch.long)
         if t.dim() != 1:
-            raise ValueError(f"sequence {b} has shape {tuple(t.shape)}; expected a 1-D sequence of ids")
+            raise ValueError(f"sequence {b} has shape {tuple(t.shape)}; expected a "
+                             "1-D sequence of ids")
         if t.is_floating_point() or t.dtype == torch.bool:
-            raise TypeError(f"sequence {b} has dtype {t.dtype}; token ids must be integers")
+            raise TypeError(f"sequence {b} has dtype {t.dtype}; token ids must be "
+                            "integers")
         rows.append(t.long())
     lengths = torch.tensor([len(r) for r in rows])  # (B,)
-    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)  # (B, T)
+    # (B, T)
+    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
     mask = torch.arange(ids.shape[1]) < lengths[:, None]  # (B, T), True = real token
     return ids, mask

@@ -40,8 +40,10 @@ __all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'labe
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                            epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    "Label-smoothed cross-entropy and plain NLL, summed over rows: logits (n, V), target (n,) with no padding."
-    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)  # (n, V); bf16 -> float32
+    """Label-smoothed cross-entropy and plain NLL, summed over rows: logits (n, V),
+    target (n,) with no padding."""
+    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)
+                     ).log_softmax(-1)                        # (n, V); bf16 -> float32
     nll = -logp.gather(-1, target[:, None]).squeeze(-1)       # (n,)  -log p_y
     uniform = -logp.sum(-1) / logp.size(-1)                   # (n,)  -1/V sum_k log p_k
     return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
@@ -49,36 +51,44 @@ def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
 
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
                        pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Label-smoothed cross-entropy and plain NLL, each *summed* over the non-pad targets.
+    """Label-smoothed cross-entropy and plain NLL, each *summed* over the non-pad
+    targets.
 
-    `logits` (..., V), `target` (...). The smoothed target keeps 1 - epsilon on the right token
-    and spreads epsilon evenly over all V tokens (Szegedy et al., 2016); this equals
-    `F.cross_entropy(logits, target, ignore_index=pad_id, label_smoothing=epsilon, reduction="sum")`."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0.0 <= epsilon < 1.0:
+    `logits` (..., V), `target` (...). The smoothed target keeps 1 - epsilon on the
+    right token and spreads epsilon evenly over all V tokens (Szegedy et al., 2016);
+    this equals `F.cross_entropy(logits, target, ignore_index=pad_id,
+    label_smoothing=epsilon, reduction="sum")`."""
+    if (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
+            or not 0.0 <= epsilon < 1.0):
         raise ValueError(f"epsilon={epsilon!r} must be a float in [0, 1)")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target of shape "
-                         f"{tuple(target.shape)}; expected logits of shape target.shape + (V,)")
-    keep = target != pad_id                                   # (...) True on real tokens
-    return smoothed_cross_entropy(logits[keep], target[keep], epsilon)  # only the n real positions
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target "
+                         f"of shape {tuple(target.shape)}; "
+                         "expected logits of shape target.shape + (V,)")
+    keep = target != pad_id                               # (...) True on real tokens
+    # only the n real positions
+    return smoothed_cross_entropy(logits[keep], target[keep], epsilon)
 
 # %% ../book/08_training.ipynb #c012
 def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> float:
-    "Equation (3): linear warm-up for `warmup` steps, then 1/sqrt(step) decay, times `scale`."
+    """Equation (3): linear warm-up for `warmup` steps, then 1/sqrt(step) decay,
+    times `scale`."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step={step!r} must be an int >= 1 (the first update is step 1)")
+        raise ValueError(f"step={step!r} must be an int >= 1 "
+                         "(the first update is step 1)")
     if warmup < 1 or d_model < 1:
         raise ValueError(f"warmup={warmup} and d_model={d_model} must be >= 1")
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 # %% ../book/08_training.ipynb #c016
-def make_optimizer(model: nn.Module, betas: tuple[float, float] = (0.9, 0.98), eps: float = 1e-9,
-                   weight_decay: float = 0.0) -> torch.optim.Adam:
-    "Adam with the paper's constants; the fused kernel on CUDA. The rate is set per step by the loop."
+def make_optimizer(model: nn.Module, betas: tuple[float, float] = (0.9, 0.98),
+                   eps: float = 1e-9, weight_decay: float = 0.0) -> torch.optim.Adam:
+    """Adam with the paper's constants; the fused kernel on CUDA. The rate is set per
+    step by the loop."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.is_cuda for p in params)
-    return torch.optim.Adam(params, lr=0.0, betas=betas, eps=eps, weight_decay=weight_decay,
-                            fused=fused or None)
+    return torch.optim.Adam(params, lr=0.0, betas=betas, eps=eps,
+                            weight_decay=weight_decay, fused=fused or None)
 
 
 def set_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -86,24 +96,28 @@ def set_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 # %% ../book/08_training.ipynb #c018
-def epoch_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int, seed: int,
-                  epoch: int, pieces: int = 1) -> list[list[list[int]]]:
-    """The global batches of one epoch: a list of steps, each a list of `pieces` index lists.
+def epoch_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int,
+                  seed: int, epoch: int, pieces: int = 1) -> list[list[list[int]]]:
+    """The global batches of one epoch: a list of steps, each a list of `pieces` index
+    lists.
 
-    Pieces come from `token_batches` with a budget of `batch_tokens // pieces` slots, shuffled
-    with a seed made of `seed` and `epoch`; the last few that do not fill a step are dropped."""
+    Pieces come from `token_batches` with a budget of `batch_tokens // pieces` slots,
+    shuffled with a seed made of `seed` and `epoch`; the last few that do not fill a
+    step are dropped."""
     budget = batch_tokens // pieces
     batches = token_batches([s for s, _ in examples], [t for _, t in examples], budget,
                             shuffle=True, seed=seed * 1_000_003 + epoch)
     return [batches[i:i + pieces] for i in range(0, len(batches) - pieces + 1, pieces)]
 
 
-def my_pieces(step_pieces: list[list[int]], rank: int = 0, world_size: int = 1) -> list[list[int]]:
+def my_pieces(step_pieces: list[list[int]], rank: int = 0,
+              world_size: int = 1) -> list[list[int]]:
     "The pieces of one global batch that process `rank` of `world_size` computes."
     return step_pieces[rank::world_size]
 
 
-def collate(examples, indices: list[int], device=None) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(examples, indices: list[int],
+            device=None) -> tuple[torch.Tensor, torch.Tensor]:
     "Padded `src (B, S)` and `tgt (B, T)` id tensors for the examples at `indices`."
     src, _ = pad_batch([examples[i][0] for i in indices])    # (B, S)
     tgt, _ = pad_batch([examples[i][1] for i in indices])    # (B, T)
@@ -112,32 +126,37 @@ def collate(examples, indices: list[int], device=None) -> tuple[torch.Tensor, to
 # %% ../book/08_training.ipynb #c020
 def make_examples(tokenizer: Tokenizer, pairs: list[tuple[str, str]],
                   max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """Token ids of `(source, target)` text pairs: `(x EOS, BOS y EOS)`. Pairs with a side longer
-    than `max_len` tokens are dropped (with a warning), empty sides are kept."""
-    if isinstance(pairs, (str, tuple)) or not all(isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
+    """Token ids of `(source, target)` text pairs: `(x EOS, BOS y EOS)`. Pairs with a
+    side longer than `max_len` tokens are dropped (with a warning), empty sides are
+    kept."""
+    if isinstance(pairs, (str, tuple)) or not all(
+            isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError("pairs must be a list of (source, target) text pairs")
     src = tokenizer.encode_batch([s for s, _ in pairs], eos=True)
     tgt = tokenizer.encode_batch([t for _, t in pairs], bos=True, eos=True)
     examples = [(s, t) for s, t in zip(src, tgt)
                 if max_len is None or (len(s) <= max_len and len(t) <= max_len)]
     if len(examples) < len(pairs):
-        warnings.warn(f"dropped {len(pairs) - len(examples)} of {len(pairs)} pairs longer than "
+        warnings.warn(f"dropped {len(pairs) - len(examples)} of {len(pairs)} pairs "
+                      "longer than "
                       f"max_len={max_len} tokens", stacklevel=2)
     return examples
 
 # %% ../book/08_training.ipynb #c022
 class Seq2SeqLoss(nn.Module):
-    "The model and its training loss in one forward: (src, tgt) ids -> (smoothed loss sum, NLL sum)."
+    """The model and its training loss in one forward: (src, tgt) ids
+    -> (smoothed loss sum, NLL sum)."""
 
     def __init__(self, model: Transformer, epsilon: float = 0.1):
         super().__init__()
         self.model, self.epsilon = model, epsilon
 
-    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tgt_in, tgt_out = teacher_forcing(tgt)                           # (B, T-1) each
-        hidden = self.model.features(src, tgt_in)                        # (B, T-1, d_model)
-        keep = tgt_out != self.model.config.pad_id                       # (B, T-1)
-        logits = self.model.generator(hidden[keep])                      # (n, V)
+    def forward(self, src: torch.Tensor,
+                tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        tgt_in, tgt_out = teacher_forcing(tgt)                      # (B, T-1) each
+        hidden = self.model.features(src, tgt_in)                   # (B, T-1, d_model)
+        keep = tgt_out != self.model.config.pad_id                  # (B, T-1)
+        logits = self.model.generator(hidden[keep])                 # (n, V)
         return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
 
 # %% ../book/08_training.ipynb #c026
@@ -153,7 +172,8 @@ def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 class SaveError(OSError):
-    "A file could not be written (disk full, no permission); the previous version of it is intact."
+    """A file could not be written (disk full, no permission); the previous version of
+    it is intact."""
 
     def __str__(self):  # the message alone, without OSError's "[Errno 28]" in front
         return self.strerror or super().__str__()
@@ -166,44 +186,56 @@ def _umask() -> int:
 
 
 def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
-    """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a name no other writer
-    uses, which is flushed to the disk and then renamed over `path`. On any error the temporary file is removed
-    and `path` is as it was; an `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
+    """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a
+    name no other writer uses, which is flushed to the disk and then renamed over
+    `path`. On any error the temporary file is removed and `path` is as it was; an
+    `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
     path = Path(path)
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; give it the usual permissions
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                   suffix=".tmp")
+        # mkstemp makes the file private; give it the usual permissions
+        os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())       # on the disk before the rename: a power cut cannot leave an empty file
+            # on the disk before the rename: a power cut cannot leave an empty file
+            os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-        # torch.save may wrap the OSError of a full disk in a RuntimeError of its own: look for it in the chain
+        # torch.save may wrap the OSError of a full disk in a RuntimeError of its own:
+        # look for it in the chain
         cause = e if isinstance(e, (OSError, RuntimeError)) else None
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None and not isinstance(cause, SaveError):
             e = cause
-            before = f"the previous {path.name} is intact" if path.exists() else "nothing was written"
+            before = (f"the previous {path.name} is intact" if path.exists()
+                      else "nothing was written")
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            why = "no space left on the device" if full else (e.strerror or str(e)).lower()
+            why = ("no space left on the device" if full
+                   else (e.strerror or str(e)).lower())
             fix = "free some space" if full else f"check that {path.parent} is writable"
-            raise SaveError(e.errno, f"{why} while saving {path}; {before}. {fix.capitalize()} and run again "
-                                     f"(a training run continues with --resume)") from None
+            raise SaveError(e.errno,
+                            f"{why} while saving {path}; {before}. "
+                            f"{fix.capitalize()} and run again "
+                            f"(a training run continues with --resume)") from None
         raise
     return path
 
 
-def save_checkpoint(path: str | os.PathLike, model: Transformer, optimizer: torch.optim.Optimizer | None = None,
-                    train_config: "TrainConfig | None" = None, progress: dict | None = None,
+def save_checkpoint(path: str | os.PathLike, model: Transformer,
+                    optimizer: torch.optim.Optimizer | None = None,
+                    train_config: "TrainConfig | None" = None,
+                    progress: dict | None = None,
                     run: dict | None = None) -> Path:
-    """Write model weights + config (+ optimizer, training config, progress) to `path`, atomically.
-    `run` records facts about the files of the run the checkpoint belongs to (e.g. the tokenizer's sha256)."""
+    """Write model weights + config (+ optimizer, training config, progress) to `path`,
+    atomically. `run` records facts about the files of the run the checkpoint belongs to
+    (e.g. the tokenizer's sha256)."""
     path = Path(path)
     state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
              "model": _plain_state(model)}
@@ -220,20 +252,24 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer, optimizer: torc
 
 
 def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    "Read a checkpoint with `weights_only=True`; `CheckpointError` for anything that is not ours."
+    """Read a checkpoint with `weights_only=True`; `CheckpointError` for anything that
+    is not ours."""
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
-        raise CheckpointError(f"{path} is not a readable checkpoint (not a file written by torch.save, "
+        raise CheckpointError(f"{path} is not a readable checkpoint "
+                              "(not a file written by torch.save, "
                               f"or a truncated one)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for foreign or damaged files
-        lines = [l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__]
-        reason = next((l.split("error:", 1)[1].split(". Please")[0].strip() for l in lines
-                       if "WeightsUnpickler error:" in l), lines[0])
-        raise CheckpointError(f"{path} is not a readable checkpoint ({reason[:160]})") from None
+        lines = ([l.strip() for l in str(e).splitlines() if l.strip()]
+                 or [type(e).__name__])
+        reason = next((l.split("error:", 1)[1].split(". Please")[0].strip()
+                       for l in lines if "WeightsUnpickler error:" in l), lines[0])
+        raise CheckpointError(f"{path} is not a readable checkpoint "
+                              f"({reason[:160]})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a checkpoint of this package (format "
@@ -242,7 +278,8 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
 
 
 def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    "Drop the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter names."
+    """Drop the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter
+    names."""
     out = {}
     for key, value in state_dict.items():
         while key.startswith(("_orig_mod.", "module.")):
@@ -260,58 +297,77 @@ def _memory_bytes() -> int | None:
 
 
 def model_bytes(config: TransformerConfig) -> int:
-    "Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper bound, computed, not built."
+    """Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper
+    bound, computed, not built."""
     d, f, n = config.d_model, config.d_ff, config.n_layers
     attention, ffn, norm = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
-    layers = n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm) + 2 * norm
-    vocab = max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings else config.src_vocab + 2 * config.tgt_vocab
-    tables = vocab * d + config.tgt_vocab + config.max_len * d      # embeddings (+ generator), its bias, PE
+    layers = (n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
+              + 2 * norm)
+    vocab = (max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings
+             else config.src_vocab + 2 * config.tgt_vocab)
+    # embeddings (+ generator), its bias, PE
+    tables = vocab * d + config.tgt_vocab + config.max_len * d
     return 4 * (layers + tables)
 
 
-def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *, name: str | None = None) -> Transformer:
-    """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights loaded, in eval mode.
-    Refused with a `CheckpointError`: a config too large for this machine's memory (checked before anything is
-    built) and weights that hold NaN or infinity (a diverged run would translate to nothing)."""
-    name = name or ("the checkpoint" if isinstance(checkpoint, dict) else str(checkpoint))
+def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
+                          name: str | None = None) -> Transformer:
+    """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights
+    loaded, in eval mode. Refused with a `CheckpointError`: a config too large for this
+    machine's memory (checked before anything is built) and weights that hold NaN or
+    infinity (a diverged run would translate to nothing)."""
+    name = name or ("the checkpoint" if isinstance(checkpoint, dict)
+                    else str(checkpoint))
     state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     try:
         config = TransformerConfig.from_dict(state["model_config"])
         need, have = model_bytes(config), _memory_bytes()
         if have is not None and need > have:
-            raise CheckpointError(f"{name} describes a model of about {need / 2**30:,.1f} GiB (d_model={config.d_model}, "
-                                  f"d_ff={config.d_ff}, n_layers={config.n_layers}, vocabulary {config.src_vocab:,}), "
-                                  f"more than this machine's {have / 2**30:,.1f} GiB of memory; the file is damaged "
-                                  f"or was not written by this package")
+            raise CheckpointError(
+                f"{name} describes a model of about {need / 2**30:,.1f} GiB "
+                f"(d_model={config.d_model}, d_ff={config.d_ff}, "
+                f"n_layers={config.n_layers}, "
+                f"vocabulary {config.src_vocab:,}), "
+                f"more than this machine's {have / 2**30:,.1f} GiB of memory; "
+                f"the file is damaged or was not written by this package")
         weights = strip_prefixes(state["model"])
-        bad = next((k for k, v in weights.items() if v.is_floating_point() and not torch.isfinite(v).all()), None)
+        bad = next((k for k, v in weights.items()
+                    if v.is_floating_point() and not torch.isfinite(v).all()), None)
         if bad is not None:
-            raise CheckpointError(f"{name} holds NaN or infinite weights ({bad}): the run diverged or the file is "
-                                  f"damaged; use another checkpoint (--checkpoint best, last or averaged)")
+            raise CheckpointError(
+                f"{name} holds NaN or infinite weights ({bad}): "
+                f"the run diverged or the file is damaged; "
+                f"use another checkpoint (--checkpoint best, last or averaged)")
         model = Transformer(config)
         model.load_state_dict(weights)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(f"{name} does not describe a model this package can build: "
+        raise CheckpointError(f"{name} does not describe a model this package can "
+                              "build: "
                               f"{str(e).splitlines()[0][:200]}") from None
     return model.to(device).eval()
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
-    "tiny":  dict(batch_tokens=3000, warmup=200, lr_scale=1.0, max_steps=2000, eval_every=250),
-    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000, eval_every=200,
-                  cpu_bf16=True, keep_checkpoints=5, snapshot_every=100),
-    "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000, eval_every=2000),
-    "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000, eval_every=2000),
+    "tiny":  dict(batch_tokens=3000, warmup=200, lr_scale=1.0, max_steps=2000,
+                  eval_every=250),
+    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000,
+                  eval_every=200, cpu_bf16=True, keep_checkpoints=5,
+                  snapshot_every=100),
+    "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000,
+                  eval_every=2000),
+    "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000,
+                  eval_every=2000),
 }
 
 
 @dataclass
 class TrainConfig:
-    "How to train. `batch_tokens` is the padded token budget of one optimizer step, all pieces together."
+    """How to train. `batch_tokens` is the padded token budget of one optimizer step,
+    all pieces together."""
     batch_tokens: int = 25_000
-    accum_steps: int = 1            # micro-batches per process and step (gradient accumulation)
+    accum_steps: int = 1  # micro-batches per process and step (gradient accumulation)
     max_steps: int = 100_000
     max_minutes: float | None = None
     warmup: int = 4000
@@ -325,31 +381,45 @@ class TrainConfig:
     log_every: int = 50
     seed: int = 0
     amp: bool = True                # bf16 autocast on CUDA
-    cpu_bf16: bool = False          # bf16 autocast on the CPU too (pays off with bf16 instructions: AMX, AVX512-BF16)
+    # bf16 autocast on the CPU too (pays off with bf16 instructions: AMX, AVX512-BF16)
+    cpu_bf16: bool = False
     compile: bool = False           # torch.compile the model + loss
-    keep_checkpoints: int = 0       # also keep the weights of the last N snapshots, for averaging
-    snapshot_every: int | None = None  # steps between those snapshots (default: eval_every)
+    # also keep the weights of the last N snapshots, for averaging
+    keep_checkpoints: int = 0
+    # steps between those snapshots (default: eval_every)
+    snapshot_every: int | None = None
 
-    # fields that may change when a run is resumed (they do not change the math of a step beyond rounding)
-    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp", "cpu_bf16", "compile",
-                 "accum_steps", "keep_checkpoints", "snapshot_every")
+    # fields that may change when a run is resumed (they do not change the math of a
+    # step beyond rounding)
+    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp",
+                 "cpu_bf16", "compile", "accum_steps", "keep_checkpoints",
+                 "snapshot_every")
 
     def __post_init__(self):
-        for name in ("batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every"):
+        for name in ("batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every",
+                     "log_every"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if isinstance(self.keep_checkpoints, bool) or not isinstance(self.keep_checkpoints, int) \
+        if isinstance(self.keep_checkpoints, bool) \
+                or not isinstance(self.keep_checkpoints, int) \
                 or self.keep_checkpoints < 0:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints!r} must be an int >= 0 (0: keep none)")
-        if self.snapshot_every is not None and (isinstance(self.snapshot_every, bool) or
-                                                not isinstance(self.snapshot_every, int) or self.snapshot_every < 1):
-            raise ValueError(f"snapshot_every={self.snapshot_every!r} must be an int >= 1 or None (= eval_every)")
-        checks = [("lr_scale", self.lr_scale > 0, "> 0"), ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
-                  ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"), ("adam_eps", self.adam_eps > 0, "> 0"),
+            raise ValueError(f"keep_checkpoints={self.keep_checkpoints!r} "
+                             "must be an int >= 0 (0: keep none)")
+        if self.snapshot_every is not None and (
+                isinstance(self.snapshot_every, bool) or
+                not isinstance(self.snapshot_every, int) or self.snapshot_every < 1):
+            raise ValueError(f"snapshot_every={self.snapshot_every!r} "
+                             "must be an int >= 1 or None (= eval_every)")
+        checks = [("lr_scale", self.lr_scale > 0, "> 0"),
+                  ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+                  ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+                  ("adam_eps", self.adam_eps > 0, "> 0"),
                   ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
-                  ("clip_norm", self.clip_norm is None or self.clip_norm > 0, "> 0 or None"),
-                  ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0 or None")]
+                  ("clip_norm", self.clip_norm is None or self.clip_norm > 0,
+                   "> 0 or None"),
+                  ("max_minutes", self.max_minutes is None or self.max_minutes > 0,
+                   "> 0 or None")]
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be {rule}")
@@ -357,7 +427,8 @@ class TrainConfig:
     @classmethod
     def preset(cls, name: str, **overrides) -> "TrainConfig":
         if name not in TRAIN_PRESETS:
-            raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(TRAIN_PRESETS)}")
+            raise ValueError(f"unknown preset {name!r}; "
+                             f"known presets: {', '.join(TRAIN_PRESETS)}")
         return cls(**{**TRAIN_PRESETS[name], **overrides})
 
     @classmethod
@@ -370,32 +441,37 @@ class TrainConfig:
 
 # %% ../book/08_training.ipynb #c030
 class TrainingError(RuntimeError):
-    "Training cannot go on (e.g. the loss became NaN); the last good checkpoint is intact."
+    """Training cannot go on (e.g. the loss became NaN); the last good checkpoint is
+    intact."""
 
 
 @dataclass
 class TrainResult:
     "What `train` did: where it stopped and why, and everything it logged."
     step: int
-    epoch: int                         # index of the epoch the loop is in (0 = the first)
-    epochs: float                      # epochs done, as a fraction: epoch + share of its batches
-    stopped: str                       # "max_steps", "max_minutes" or "interrupted"
-    train_seconds: float               # wall time of the loop, evaluations included, over all sessions
-    eval_seconds: float                # the part spent evaluating and saving
-    tokens: int                        # real target tokens seen
-    best: dict | None                  # {"metric", "value", "step"} of best.pt
+    epoch: int               # index of the epoch the loop is in (0 = the first)
+    epochs: float            # epochs done, as a fraction: epoch + share of its batches
+    stopped: str             # "max_steps", "max_minutes" or "interrupted"
+    # wall time of the loop, evaluations included, over all sessions
+    train_seconds: float
+    eval_seconds: float      # the part spent evaluating and saving
+    tokens: int              # real target tokens seen
+    best: dict | None        # {"metric", "value", "step"} of best.pt
     history: list[dict] = field(default_factory=list)
-    signal: int | None = None          # the signal that interrupted it (SIGINT = Ctrl-C, SIGTERM), if any
+    # the signal that interrupted it (SIGINT = Ctrl-C, SIGTERM), if any
+    signal: int | None = None
 
     @property
     def tokens_per_second(self) -> float:
-        "Training throughput: target tokens per second of training, evaluation time excluded."
+        """Training throughput: target tokens per second of training, evaluation time
+        excluded."""
         return self.tokens / max(self.train_seconds - self.eval_seconds, 1e-9)
 
 
 def cpu_has_bf16_units() -> bool:
-    """Whether this CPU computes bf16 products in hardware, where bf16 autocast speeds training up: Intel's AMX
-    tiles, or AVX-512 BF16 dot products (AMD Zen 4 and later, Intel Cooper Lake and later)."""
+    """Whether this CPU computes bf16 products in hardware, where bf16 autocast speeds
+    training up: Intel's AMX tiles, or AVX-512 BF16 dot products (AMD Zen 4 and later,
+    Intel Cooper Lake and later)."""
     for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
         probe = getattr(torch.cpu, name, None)  # private, so asked for carefully
         try:
@@ -414,18 +490,21 @@ def world() -> tuple[int, int]:
 
 
 def init_distributed(device_type: str = "cpu") -> tuple[int, int, int]:
-    """Join the process group torchrun describes in the environment (NCCL on CUDA, gloo on CPU).
-    Returns (rank, world_size, local_rank); (0, 1, 0) when not started by torchrun."""
+    """Join the process group torchrun describes in the environment (NCCL on CUDA, gloo
+    on CPU). Returns (rank, world_size, local_rank); (0, 1, 0) when not started by
+    torchrun."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return 0, 1, 0
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", "0"))
+    return (dist.get_rank(), dist.get_world_size(),
+            int(os.environ.get("LOCAL_RANK", "0")))
 
 
 class _StopRequest:
-    """The first Ctrl-C (SIGINT) or SIGTERM (what `kill`, schedulers and container runtimes send) asks the loop to
-    stop after the current step and save; a second one aborts at once."""
+    """The first Ctrl-C (SIGINT) or SIGTERM (what `kill`, schedulers and container
+    runtimes send) asks the loop to stop after the current step and save; a second one
+    aborts at once."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -442,7 +521,8 @@ class _StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this step, saving last.pt "
+        print(f"\n{signal.Signals(signum).name}: "
+              "stopping after this step, saving last.pt "
               f"(send it again to abort)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
@@ -454,18 +534,23 @@ class RunDirectoryError(ValueError):
     "A run directory is in use by another process, or holds the files of another run."
 
 
-_HELD: dict[str, int] = {}  # run directories this process holds: resolved path -> lock file descriptor
+# run directories this process holds: resolved path -> lock file descriptor
+_HELD: dict[str, int] = {}
 
 
 @contextmanager
 def run_lock(out_dir: str | os.PathLike):
-    """Hold a run directory for one run: an exclusive `fcntl.flock` on `out_dir/.lock`, which records the pid. The
-    operating system releases it when the process ends, however it ends, so a crash never leaves it stuck. A second
-    process gets a `RunDirectoryError` that names the pid holding it. Re-entrant within one process; temporary files
-    that a killed run left behind are removed once the lock is held. No lock where `fcntl` is missing (Windows)."""
+    """Hold a run directory for one run: an exclusive `fcntl.flock` on `out_dir/.lock`,
+    which records the pid. The operating system releases it when the process ends,
+    however it ends, so a crash never leaves it stuck. A second process gets a
+    `RunDirectoryError` that names the pid holding it. Re-entrant within one process;
+    temporary files that a killed run left behind are removed once the lock is held. No
+    lock where `fcntl` is missing (Windows)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise RunDirectoryError(f"{out} is a file, not a directory; pass a directory for the run (it is created if missing)")
+        raise RunDirectoryError(f"{out} is a file, not a directory; "
+                                "pass a directory for the run "
+                                "(it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     key = str(out.resolve())
     if fcntl is None or key in _HELD:
@@ -476,35 +561,41 @@ def run_lock(out_dir: str | os.PathLike):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         if not lock.exists() or os.stat(lock).st_ino != os.fstat(fd).st_ino:
-            raise BlockingIOError   # the holder removed the file as we opened it: another run got there first
+            # the holder removed the file as we opened it: another run got there first
+            raise BlockingIOError
     except OSError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); wait for it to end, "
+        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); "
+                                "wait for it to end, "
                                 f"or train into another directory (--out)") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _HELD[key] = fd
     try:
-        for stale in out.glob(".*.tmp"):           # a temporary file of a run that was killed mid-save
+        # a temporary file of a run that was killed mid-save
+        for stale in out.glob(".*.tmp"):
             stale.unlink(missing_ok=True)
         yield out
     finally:
         del _HELD[key]
-        lock.unlink(missing_ok=True)                # still held: nobody can take it between these two lines
+        # still held: nobody can take it between these two lines
+        lock.unlink(missing_ok=True)
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
 
 @torch.no_grad()
-def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000, epsilon: float = 0.1) -> dict:
+def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
+                  epsilon: float = 0.1) -> dict:
     "Validation loss (label-smoothed), NLL and perplexity per real target token."
     device = next(model.parameters()).device
     was_training = model.training
     criterion = Seq2SeqLoss(model, epsilon).eval()
     total = torch.zeros(2, dtype=torch.float64)
     n = 0
-    for piece in token_batches([s for s, _ in examples], [t for _, t in examples], batch_tokens, shuffle=False):
+    for piece in token_batches([s for s, _ in examples], [t for _, t in examples],
+                               batch_tokens, shuffle=False):
         loss, nll = criterion(*collate(examples, piece, device))
         total += torch.stack([loss.detach(), nll.detach()]).double().cpu()
         n += sum(len(examples[i][1]) - 1 for i in piece)
@@ -514,12 +605,14 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000, epsilo
 
 
 def _round(record: dict) -> dict:
-    return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in record.items()}
+    return {k: (float(f"{v:.6g}") if isinstance(v, float) else v)
+            for k, v in record.items()}
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a `metrics.jsonl`, one dict a line. A last line cut short (the run was killed while writing
-    it) is dropped with a warning; a damaged line before it is a `TrainingError` that names the file and line."""
+    """The records of a `metrics.jsonl`, one dict a line. A last line cut short (the run
+    was killed while writing it) is dropped with a warning; a damaged line before it is
+    a `TrainingError` that names the file and line."""
     path = Path(path)
     lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     records = []
@@ -532,64 +625,84 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                 raise ValueError("not a metrics record")
         except ValueError as e:
             if number == len(lines):
-                warnings.warn(f"{path}: dropped its last line, cut short ({line[:40]!r}...): the run was stopped "
+                warnings.warn(f"{path}: dropped its last line, cut short "
+                              f"({line[:40]!r}...): the run was stopped "
                               f"while writing it", stacklevel=2)
                 break
-            raise TrainingError(f"{path}, line {number}: not a metrics record ({e}); fix or delete that line") from None
+            raise TrainingError(f"{path}, line {number}: not a metrics record ({e}); "
+                                "fix or delete that line") from None
         records.append(record)
     return records
 
 
 def _keep_lines_until(path: Path, step: int) -> None:
-    "After a resume from `step`, forget metrics a crashed session wrote past it (and a last line cut short)."
+    """After a resume from `step`, forget metrics a crashed session wrote past it (and a
+    last line cut short)."""
     if path.exists():
         kept = [r for r in read_metrics(path) if r["step"] <= step]
-        atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)), mode="w")
+        atomic_write(path,
+                     lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)),
+                     mode="w")
 
 
-def _check_resumable(saved: dict, config: "TrainConfig", model: Transformer, path: Path) -> None:
+def _check_resumable(saved: dict, config: "TrainConfig", model: Transformer,
+                     path: Path) -> None:
     if saved.get("model_config") != model.config.to_dict():
-        diff = {k: (v, saved.get("model_config", {}).get(k)) for k, v in model.config.to_dict().items()
+        diff = {k: (v, saved.get("model_config", {}).get(k))
+                for k, v in model.config.to_dict().items()
                 if saved.get("model_config", {}).get(k) != v}
         raise ValueError(f"cannot resume from {path}: the model differs " +
-                         ", ".join(f"{k}={new!r} (saved {old!r})" for k, (new, old) in diff.items()))
+                         ", ".join(f"{k}={new!r} (saved {old!r})"
+                                   for k, (new, old) in diff.items()))
     now = asdict(config)
-    diff = [k for k in now if k not in TrainConfig.RESUMABLE and saved.get("train_config", {}).get(k) != now[k]]
+    diff = [k for k in now if k not in TrainConfig.RESUMABLE
+            and saved.get("train_config", {}).get(k) != now[k]]
     if diff:
         raise ValueError(f"cannot resume from {path}: the training config differs " +
-                         ", ".join(f"{k}={now[k]!r} (saved {saved['train_config'].get(k)!r})" for k in diff))
+                         ", ".join(f"{k}={now[k]!r} "
+                                   f"(saved {saved['train_config'].get(k)!r})"
+                                   for k in diff))
 
 # %% ../book/08_training.ipynb #c031
 def train(model: Transformer, train_examples: list, val_examples: list | None = None,
-          config: TrainConfig | None = None, *, out_dir: str | os.PathLike | None = None,
-          resume: bool = False, on_eval=None, progress: bool = True, run: dict | None = None) -> TrainResult:
+          config: TrainConfig | None = None, *,
+          out_dir: str | os.PathLike | None = None,
+          resume: bool = False, on_eval=None, progress: bool = True,
+          run: dict | None = None) -> TrainResult:
     """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples.
 
-    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the directory's
-    `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`, and without it a directory that
-    already holds a run is refused. `on_eval(model, step) -> dict` adds metrics at each evaluation (a
-    `"bleu"` key then picks `best.pt`). `run` is recorded in every checkpoint (see `save_checkpoint`).
-    Ctrl-C or SIGTERM stops after the current step and saves `last.pt` (`stopped="interrupted"`).
-    Runs under torchrun with DDP when a process group exists."""
+    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the
+    directory's `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`,
+    and without it a directory that already holds a run is refused.
+    `on_eval(model, step) -> dict` adds metrics at each evaluation (a `"bleu"` key then
+    picks `best.pt`). `run` is recorded in every checkpoint (see `save_checkpoint`).
+    Ctrl-C or SIGTERM stops after the current step and saves `last.pt`
+    (`stopped="interrupted"`). Runs under torchrun with DDP when a process group
+    exists."""
     config = config or TrainConfig()
     if not train_examples:
-        raise ValueError("train_examples is empty; pass a list of (src_ids, tgt_ids) pairs")
+        raise ValueError("train_examples is empty; "
+                         "pass a list of (src_ids, tgt_ids) pairs")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume=True needs out_dir, the directory that holds last.pt")
     if out is None or world()[0] != 0:
-        return _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run)
+        return _train(model, train_examples, val_examples, config, out, resume, on_eval,
+                      progress, run)
     with run_lock(out):
         if resume and not (out / "last.pt").exists():
             raise RunDirectoryError(f"{out} holds no last.pt to resume from")
         found = [name for name in ("last.pt", "metrics.jsonl") if (out / name).exists()]
         if found and not resume:
-            raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); resume it (resume=True, "
+            raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); "
+                                    "resume it (resume=True, "
                                     f"--resume) or train into another directory")
-        return _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run)
+        return _train(model, train_examples, val_examples, config, out, resume, on_eval,
+                      progress, run)
 
 
-def _train(model, train_examples, val_examples, config, out, resume, on_eval, progress, run) -> TrainResult:
+def _train(model, train_examples, val_examples, config, out, resume, on_eval, progress,
+           run) -> TrainResult:
     "The loop of `train`, its arguments checked and its directory held."
     device = next(model.parameters()).device
     rank, world_size = world()
@@ -598,7 +711,8 @@ def _train(model, train_examples, val_examples, config, out, resume, on_eval, pr
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     optimizer = make_optimizer(model, (config.beta1, config.beta2), config.adam_eps)
-    at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "eval_seconds": 0.0, "tokens": 0}
+    at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "eval_seconds": 0.0,
+          "tokens": 0}
     best = None
     if resume:
         saved = load_checkpoint(out / "last.pt")
@@ -612,14 +726,17 @@ def _train(model, train_examples, val_examples, config, out, resume, on_eval, pr
         _keep_lines_until(out / "metrics.jsonl", at["step"])
 
     criterion = Seq2SeqLoss(model, config.label_smoothing)
-    ddp = (DistributedDataParallel(criterion, device_ids=[device.index] if device.type == "cuda" else None)
+    ddp = (DistributedDataParallel(
+               criterion, device_ids=[device.index] if device.type == "cuda" else None)
            if world_size > 1 else None)
     net = ddp or criterion
     if config.compile:
         net = torch.compile(net)
-    use_amp = (config.amp and device.type == "cuda") or (config.cpu_bf16 and device.type == "cpu")
+    use_amp = ((config.amp and device.type == "cuda")
+               or (config.cpu_bf16 and device.type == "cpu"))
     if use_amp and device.type == "cpu" and not cpu_has_bf16_units():
-        warnings.warn("cpu_bf16=True on a CPU without bf16 instructions (AMX, AVX512-BF16): autocast may be slower than "
+        warnings.warn("cpu_bf16=True on a CPU without bf16 instructions "
+                      "(AMX, AVX512-BF16): autocast may be slower than "
                       "float32 here; set cpu_bf16=False (--no-cpu-bf16)", stacklevel=2)
     history: list[dict] = []
 
@@ -635,29 +752,36 @@ def _train(model, train_examples, val_examples, config, out, resume, on_eval, pr
     def save(name: str) -> None:
         nonlocal saved_step
         if out is not None and rank == 0:
-            save_checkpoint(out / name, model, optimizer, config, {**at, "best": best}, run)
+            save_checkpoint(out / name, model, optimizer, config, {**at, "best": best},
+                            run)
         if name == "last.pt":
             saved_step = at["step"]
 
-    steps = epoch_batches(train_examples, config.batch_tokens, config.seed, at["epoch"], pieces)
+    steps = epoch_batches(train_examples, config.batch_tokens, config.seed, at["epoch"],
+                          pieces)
     if not steps:
-        raise ValueError(f"batch_tokens={config.batch_tokens} gives no full step from {len(train_examples)} "
-                         f"examples in {pieces} pieces; lower accum_steps or use more data")
+        raise ValueError(f"batch_tokens={config.batch_tokens} gives no full step "
+                         f"from {len(train_examples)} "
+                         f"examples in {pieces} pieces; "
+                         "lower accum_steps or use more data")
     session_start, seconds_before = time.perf_counter(), at["seconds"]
     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": session_start}
-    bar = tqdm(total=config.max_steps, initial=at["step"], unit="step", dynamic_ncols=True,
-               disable=not progress or rank != 0, file=sys.stderr)
+    bar = tqdm(total=config.max_steps, initial=at["step"], unit="step",
+               dynamic_ncols=True, disable=not progress or rank != 0, file=sys.stderr)
     stopped = "max_steps"
     try:
         with _StopRequest() as ctrl_c:
             while at["step"] < config.max_steps:
                 if at["batch"] >= len(steps):
                     at["epoch"], at["batch"] = at["epoch"] + 1, 0
-                    steps = epoch_batches(train_examples, config.batch_tokens, config.seed, at["epoch"], pieces)
+                    steps = epoch_batches(train_examples, config.batch_tokens,
+                                          config.seed, at["epoch"], pieces)
                 step_pieces = steps[at["batch"]]
                 at["batch"] += 1
-                n = sum(len(train_examples[i][1]) - 1 for piece in step_pieces for i in piece)
-                torch.manual_seed(config.seed * 1_000_003 + at["step"] * 1_009 + rank)  # dropout of this step
+                n = sum(len(train_examples[i][1]) - 1
+                        for piece in step_pieces for i in piece)
+                # dropout of this step
+                torch.manual_seed(config.seed * 1_000_003 + at["step"] * 1_009 + rank)
                 model.train()
                 sums = torch.zeros(3, dtype=torch.float64, device=device)
                 mine = my_pieces(step_pieces, rank, world_size)
@@ -665,34 +789,44 @@ def _train(model, train_examples, val_examples, config, out, resume, on_eval, pr
                     src, tgt = collate(train_examples, piece, device)
                     last = j == len(mine) - 1
                     with nullcontext() if ddp is None or last else ddp.no_sync():
-                        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_amp):
+                        with torch.autocast(device.type, dtype=torch.bfloat16,
+                                            enabled=use_amp):
                             loss, nll = net(src, tgt)
                         (loss * (world_size / n)).backward()
                     sums[0] += loss.detach()
                     sums[1] += nll.detach()
                 seconds = seconds_before + time.perf_counter() - session_start
-                out_of_time = config.max_minutes is not None and seconds >= 60 * config.max_minutes
-                sums[2] = 2.0 * ctrl_c.requested + (1.0 if rank == 0 and out_of_time else 0.0)
+                out_of_time = (config.max_minutes is not None
+                               and seconds >= 60 * config.max_minutes)
+                sums[2] = (2.0 * ctrl_c.requested
+                           + (1.0 if rank == 0 and out_of_time else 0.0))
                 if world_size > 1:
                     dist.all_reduce(sums)
                 loss_sum, nll_sum, flag = sums.tolist()
-                lr = rate(at["step"] + 1, model.config.d_model, config.warmup, config.lr_scale)
+                lr = rate(at["step"] + 1, model.config.d_model, config.warmup,
+                          config.lr_scale)
                 set_rate(optimizer, lr)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm or math.inf)
+                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
+                                                           config.clip_norm or math.inf)
                 if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
                     optimizer.zero_grad(set_to_none=True)
-                    where = (f"; the last good checkpoint is {out / 'last.pt'} (step {saved_step})"
+                    where = (f"; the last good checkpoint is {out / 'last.pt'} "
+                             f"(step {saved_step})"
                              if out is not None and saved_step is not None else "")
-                    bad = loss_sum / n if not math.isfinite(loss_sum) else float(grad_norm)
+                    bad = (loss_sum / n if not math.isfinite(loss_sum)
+                           else float(grad_norm))
                     what = "loss" if not math.isfinite(loss_sum) else "gradient norm"
-                    raise TrainingError(f"the {what} became {bad} at step {at['step'] + 1}; stopped before "
-                                        f"updating the weights{where}. Lower lr_scale or raise warmup.")
+                    raise TrainingError(f"the {what} became {bad} "
+                                        f"at step {at['step'] + 1}; stopped before "
+                                        f"updating the weights{where}. "
+                                        "Lower lr_scale or raise warmup.")
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 at["step"] += 1
                 at["tokens"] += n
                 at["seconds"] = seconds_before + time.perf_counter() - session_start
-                window["loss"] += loss_sum; window["nll"] += nll_sum; window["tokens"] += n
+                window["loss"] += loss_sum; window["nll"] += nll_sum
+                window["tokens"] += n
                 if flag >= 2:
                     stopped = "interrupted"
                 elif flag >= 1:
@@ -702,54 +836,71 @@ def _train(model, train_examples, val_examples, config, out, resume, on_eval, pr
                     now = time.perf_counter()
                     rate_now = window["tokens"] / max(now - window["time"], 1e-9)
                     log({"kind": "train", "step": at["step"], "epoch": at["epoch"],
-                         "loss": window["loss"] / window["tokens"], "nll": window["nll"] / window["tokens"],
-                         "lr": lr, "grad_norm": float(grad_norm), "tokens": at["tokens"],
+                         "loss": window["loss"] / window["tokens"],
+                         "nll": window["nll"] / window["tokens"],
+                         "lr": lr, "grad_norm": float(grad_norm),
+                         "tokens": at["tokens"],
                          "seconds": at["seconds"], "tokens_per_second": rate_now})
-                    bar.set_postfix(loss=f"{window['loss'] / window['tokens']:.3f}", lr=f"{lr:.1e}",
-                                    tok_s=f"{rate_now:,.0f}", refresh=False)
+                    bar.set_postfix(loss=f"{window['loss'] / window['tokens']:.3f}",
+                                    lr=f"{lr:.1e}", tok_s=f"{rate_now:,.0f}",
+                                    refresh=False)
                     window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": now}
                 bar.update(1)
-                snapshot = at["step"] % (config.snapshot_every or config.eval_every) == 0 or done
-                if config.keep_checkpoints and snapshot and out is not None and rank == 0:
-                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model, progress={"step": at["step"]}, run=run)
+                snapshot = (at["step"] % (config.snapshot_every or config.eval_every)
+                            == 0 or done)
+                if (config.keep_checkpoints and snapshot and out is not None
+                        and rank == 0):
+                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model,
+                                    progress={"step": at["step"]}, run=run)
                     for old in sorted(out.glob("step-*.pt"))[:-config.keep_checkpoints]:
                         old.unlink()
-                if (at["step"] % config.eval_every == 0 or done) and stopped != "interrupted":
+                if ((at["step"] % config.eval_every == 0 or done)
+                        and stopped != "interrupted"):
                     eval_start = time.perf_counter()
                     if rank == 0 and val_examples:
-                        record = {"kind": "eval", "step": at["step"], "epoch": at["epoch"],
-                                  **evaluate_loss(model, val_examples, config.batch_tokens // config.accum_steps,
-                                                  config.label_smoothing)}
+                        record = {"kind": "eval", "step": at["step"],
+                                  "epoch": at["epoch"],
+                                  **evaluate_loss(
+                                      model, val_examples,
+                                      config.batch_tokens // config.accum_steps,
+                                      config.label_smoothing)}
                         if on_eval is not None:
                             model.eval()
                             record.update(on_eval(model, at["step"]))
                         metric = "bleu" if "bleu" in record else "val_loss"
                         value = record[metric]
-                        if best is None or (value > best["value"] if metric == "bleu" else value < best["value"]):
-                            best = {"metric": metric, "value": value, "step": at["step"]}
+                        if best is None or (value > best["value"] if metric == "bleu"
+                                            else value < best["value"]):
+                            best = {"metric": metric, "value": value,
+                                    "step": at["step"]}
                             save("best.pt")
-                        log({**record, "seconds": seconds_before + time.perf_counter() - session_start})
-                    at["seconds"] = seconds_before + time.perf_counter() - session_start
+                        log({**record, "seconds": seconds_before + time.perf_counter()
+                             - session_start})
+                    at["seconds"] = (seconds_before + time.perf_counter()
+                                     - session_start)
                     at["eval_seconds"] += time.perf_counter() - eval_start
                     save("last.pt")
                     if world_size > 1:
                         dist.barrier()
-                    window["time"] += time.perf_counter() - eval_start  # tokens/s counts training only
+                    # tokens/s counts training only
+                    window["time"] += time.perf_counter() - eval_start
                 elif done:
                     save("last.pt")
                 if done:
                     break
     finally:
         bar.close()
-    return TrainResult(step=at["step"], epoch=at["epoch"], epochs=at["epoch"] + at["batch"] / len(steps),
+    return TrainResult(step=at["step"], epoch=at["epoch"],
+                       epochs=at["epoch"] + at["batch"] / len(steps),
                        stopped=stopped, train_seconds=at["seconds"],
-                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best, history=history,
-                       signal=ctrl_c.signum)
+                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best,
+                       history=history, signal=ctrl_c.signum)
 
 # %% ../book/08_training.ipynb #c036b
 def average_checkpoints(paths) -> dict:
-    """The element-wise mean of the weights of several checkpoints of one model (the paper's section 6.1),
-    as a checkpoint dict that `model_from_checkpoint` and `save_checkpoint`'s readers accept."""
+    """The element-wise mean of the weights of several checkpoints of one model (the
+    paper's section 6.1), as a checkpoint dict that `model_from_checkpoint` and
+    `save_checkpoint`'s readers accept."""
     paths = [Path(p) for p in paths]
     if not paths:
         raise ValueError("average_checkpoints needs at least one checkpoint path")
@@ -759,35 +910,40 @@ def average_checkpoints(paths) -> dict:
     for path in paths[1:]:
         state = load_checkpoint(path)
         if state["model_config"] != config:
-            raise CheckpointError(f"{path} holds a different model than {paths[0]}; average checkpoints of one run")
+            raise CheckpointError(f"{path} holds a different model than {paths[0]}; "
+                                  "average checkpoints of one run")
         other = strip_prefixes(state["model"])
         if other.keys() != total.keys():
-            raise CheckpointError(f"{path} has other tensors than {paths[0]}; average checkpoints of one run")
+            raise CheckpointError(f"{path} has other tensors than {paths[0]}; "
+                                  "average checkpoints of one run")
         for k, v in other.items():
             if v.is_floating_point():
                 total[k] += v.double()
-    mean = {k: (v / len(paths)).to(weights[k].dtype) if v.is_floating_point() else v for k, v in total.items()}
+    mean = {k: (v / len(paths)).to(weights[k].dtype) if v.is_floating_point() else v
+            for k, v in total.items()}
     return {"format": CHECKPOINT_FORMAT, "model_config": config, "model": mean,
             "progress": {"averaged": [p.name for p in paths]}}
 
 # %% ../book/d_performance.ipynb #c010b
 class _FusedSmoothedCrossEntropy(torch.autograd.Function):
-    "Label-smoothed cross-entropy with the gradient computed blockwise in the forward pass."
+    """Label-smoothed cross-entropy with the gradient computed blockwise in the forward
+    pass."""
 
     @staticmethod
     def forward(ctx, logits, target, epsilon, rows):
         n, V = logits.shape
-        acc = torch.promote_types(logits.dtype, torch.float32)         # float32 at least, as the teaching path
-        grad = torch.empty_like(logits)                                # dL/dz = p - q, in the logits' dtype
+        # float32 at least, as the teaching path
+        acc = torch.promote_types(logits.dtype, torch.float32)
+        grad = torch.empty_like(logits)  # dL/dz = p - q, in the logits' dtype
         loss = torch.zeros((), dtype=acc, device=logits.device)
         nll = torch.zeros((), dtype=acc, device=logits.device)
-        for i in range(0, n, rows):                                    # a block of rows stays in the cache
-            logp = logits[i:i + rows].to(acc).log_softmax(-1)          # (r, V)
-            t = target[i:i + rows, None]                               # (r, 1)
+        for i in range(0, n, rows):  # a block of rows stays in the cache
+            logp = logits[i:i + rows].to(acc).log_softmax(-1)  # (r, V)
+            t = target[i:i + rows, None]                       # (r, 1)
             block_nll = -logp.gather(-1, t).sum()
             nll += block_nll
             loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
-            p_minus_q = logp.exp_().sub_(epsilon / V)                  # p - eps/V, in place of logp
+            p_minus_q = logp.exp_().sub_(epsilon / V)  # p - eps/V, in place of logp
             p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
             grad[i:i + rows] = p_minus_q
         ctx.save_for_backward(grad)
@@ -798,7 +954,8 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_nll):
         if ctx.used:
-            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice (retain_graph=True); "
+            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice "
+                               "(retain_graph=True); "
                                "use smoothed_cross_entropy for that")
         ctx.used = True
         grad, = ctx.saved_tensors
@@ -806,10 +963,13 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
 
 
 def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same gradient for the loss, computed
-    blockwise in the forward pass. The NLL carries no gradient (it is for reporting); one backward pass only."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled() and logits.requires_grad):
+                                 epsilon: float = 0.1
+                                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same
+    gradient for the loss, computed blockwise in the forward pass. The NLL carries no
+    gradient (it is for reporting); one backward pass only."""
+    if torch.compiler.is_compiling() or not (torch.is_grad_enabled()
+                                             and logits.requires_grad):
         return smoothed_cross_entropy(logits, target, epsilon)
-    rows = max(1, 2**20 // logits.size(-1))                            # about 4 MB of float32 per block
+    rows = max(1, 2**20 // logits.size(-1))  # about 4 MB of float32 per block
     return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)

@@ -10,9 +10,11 @@ from collections import Counter
 
 import altair as alt
 
-_CDN = ("https://cdn.jsdelivr.net/npm/vega@6", "https://cdn.jsdelivr.net/npm/vega-lite@6.4",
+_CDN = ("https://cdn.jsdelivr.net/npm/vega@6",
+        "https://cdn.jsdelivr.net/npm/vega-lite@6.4",
         "https://cdn.jsdelivr.net/npm/vega-embed@7")
-_seen: Counter = Counter()  # how often each spec was shown, so equal charts get distinct ids
+# how often each spec was shown, so equal charts get distinct ids
+_seen: Counter = Counter()
 
 _TEMPLATE = """<div id="{id}" class="book-chart"></div>
 <script type="text/javascript">
@@ -39,7 +41,8 @@ _TEMPLATE = """<div id="{id}" class="book-chart"></div>
 
 
 def chart_html(spec: dict) -> str:
-    "HTML for one chart: a div and a script that draws `spec` with the page's `vegaEmbed`."
+    ("HTML for one chart: a div and a script that draws `spec` with the page's "
+     "`vegaEmbed`.")
     text = json.dumps(spec, sort_keys=True)
     digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     _seen[digest] += 1
@@ -61,94 +64,128 @@ def enable(max_rows: int = 20_000) -> None:
 # %% ../book/b_figures.ipynb #b011
 from html import escape
 
-# The boxes of the paper's Figure 1: (key, label, x, y, width, parts of the book that build it)
+# The boxes of the paper's Figure 1: (key, label, x, y, width, parts of the book that
+# build it)
 _W, _H = 190, 30
 _ENC_X, _DEC_X = 40, 300
 _BOXES = [
     ("src_embed", "Input embedding × √d_model", _ENC_X, 560, {"tokens"}),
     ("tgt_embed", "Output embedding × √d_model", _DEC_X, 560, {"tokens"}),
-    ("enc_attn", "Multi-head self-attention", _ENC_X, 455, {"attention", "scaling", "heads", "why"}),
+    ("enc_attn", "Multi-head self-attention", _ENC_X, 455,
+     {"attention", "scaling", "heads", "why"}),
     ("enc_norm1", "Add & Norm", _ENC_X, 415, {"blocks"}),
     ("enc_ffn", "Feed-forward", _ENC_X, 365, {"blocks"}),
     ("enc_norm2", "Add & Norm", _ENC_X, 325, {"blocks"}),
-    ("dec_attn", "Masked multi-head self-attention", _DEC_X, 455, {"attention", "scaling", "heads", "masking", "why"}),
+    ("dec_attn", "Masked multi-head self-attention", _DEC_X, 455,
+     {"attention", "scaling", "heads", "masking", "why"}),
     ("dec_norm1", "Add & Norm", _DEC_X, 415, {"blocks"}),
-    ("cross_attn", "Multi-head cross-attention", _DEC_X, 365, {"attention", "scaling", "heads", "why"}),
+    ("cross_attn", "Multi-head cross-attention", _DEC_X, 365,
+     {"attention", "scaling", "heads", "why"}),
     ("dec_norm2", "Add & Norm", _DEC_X, 325, {"blocks"}),
     ("dec_ffn", "Feed-forward", _DEC_X, 275, {"blocks"}),
     ("dec_norm3", "Add & Norm", _DEC_X, 235, {"blocks"}),
-    ("generator", "Linear (the embedding, tied)", _DEC_X, 165, {"training", "decoding"}),
+    ("generator", "Linear (the embedding, tied)", _DEC_X, 165,
+     {"training", "decoding"}),
     ("softmax", "Softmax", _DEC_X, 120, {"training", "decoding", "evaluation"}),
 ]
 _POSITIONS = [(_ENC_X + _W / 2, 522), (_DEC_X + _W / 2, 522)]
 _FRAMES = [(_ENC_X - 14, 299, _W + 28, 198), (_DEC_X - 14, 209, _W + 28, 288)]
-PARTS = {"why": "attention", "tokens": "tokens and embeddings", "attention": "attention",
-         "scaling": "scaled attention", "heads": "multi-head attention", "positions": "positional encoding",
-         "blocks": "residuals, norms, feed-forward", "masking": "the masks", "model": "the whole model",
-         "training": "the output layer and the loss", "decoding": "decoding, token by token",
+PARTS = {"why": "attention", "tokens": "tokens and embeddings",
+         "attention": "attention", "scaling": "scaled attention",
+         "heads": "multi-head attention",
+         "positions": "positional encoding", "blocks": "residuals, norms, feed-forward",
+         "masking": "the masks", "model": "the whole model",
+         "training": "the output layer and the loss",
+         "decoding": "decoding, token by token",
          "evaluation": "the output, scored", "traced": "one sentence through all of it"}
 
 
-def architecture(highlight: str | None = None, scale: float = 1.0, title: bool = True) -> str:
-    """The paper's Figure 1 as SVG markup, drawn for this book: the parts that `highlight` names (a key of `PARTS`;
-    "model" and "traced" mark everything) in amber. Opaque background, dark text: readable on light and dark pages."""
+def architecture(highlight: str | None = None, scale: float = 1.0,
+                 title: bool = True) -> str:
+    """The paper's Figure 1 as SVG markup, drawn for this book: the parts that
+    `highlight` names (a key of `PARTS`; "model" and "traced" mark everything) in amber.
+    Opaque background, dark text: readable on light and dark pages."""
     if highlight is not None and highlight not in PARTS:
         raise ValueError(f"highlight={highlight!r} is not one of {', '.join(PARTS)}")
     everything = highlight in ("model", "traced")
     on = lambda parts: everything or highlight in parts
     fill = lambda lit: ("#fde68a", "#b45309") if lit else ("#f1f5f9", "#64748b")
     w, h = 540, 640 if title else 615
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * scale:.0f}" height="{h * scale:.0f}" '
-           f'viewBox="0 0 {w} {h}" role="img" font-family="Helvetica, Arial, sans-serif" font-size="12">',
-           f'<title>The Transformer (Vaswani et al., 2017, Figure 1){escape(": " + PARTS[highlight]) if highlight else ""}</title>',
-           f'<rect x="0" y="0" width="{w}" height="{h}" rx="10" fill="#ffffff" stroke="#cbd5e1"/>',
-           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" markerWidth="6" markerHeight="6" '
-           'orient="auto-start-reverse"><path d="M 0 0 L 10 5 L 0 10 z" fill="#475569"/></marker></defs>']
-    line = lambda x1, y1, x2, y2: (f'<line x1="{x1:.0f}" y1="{y1:.0f}" x2="{x2:.0f}" y2="{y2:.0f}" stroke="#475569" '
-                                   f'stroke-width="1.5" marker-end="url(#arrow)"/>')
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * scale:.0f}" '
+           f'height="{h * scale:.0f}" viewBox="0 0 {w} {h}" role="img" '
+           'font-family="Helvetica, Arial, sans-serif" font-size="12">',
+           '<title>The Transformer (Vaswani et al., 2017, Figure 1)'
+           f'{escape(": " + PARTS[highlight]) if highlight else ""}</title>',
+           f'<rect x="0" y="0" width="{w}" height="{h}" rx="10" fill="#ffffff" '
+           'stroke="#cbd5e1"/>',
+           '<defs><marker id="arrow" viewBox="0 0 10 10" refX="9" refY="5" '
+           'markerWidth="6" markerHeight="6" orient="auto-start-reverse"><path '
+           'd="M 0 0 L 10 5 L 0 10 z" fill="#475569"/></marker></defs>']
+    line = lambda x1, y1, x2, y2: (f'<line x1="{x1:.0f}" y1="{y1:.0f}" '
+                                   f'x2="{x2:.0f}" y2="{y2:.0f}" stroke="#475569" '
+                                   'stroke-width="1.5" marker-end="url(#arrow)"/>')
     for (x, y, fw, fh), name in zip(_FRAMES, ("Encoder layer", "Decoder layer")):
         bg, stroke = fill(on({"blocks"}))
-        out.append(f'<rect x="{x}" y="{y}" width="{fw}" height="{fh}" rx="8" fill="{"#fffbeb" if on({"blocks"}) else "#ffffff"}" '
+        out.append(f'<rect x="{x}" y="{y}" width="{fw}" height="{fh}" rx="8" '
+                   f'fill="{"#fffbeb" if on({"blocks"}) else "#ffffff"}" '
                    f'stroke="{stroke}" stroke-dasharray="4 3"/>')
-        out.append(f'<text x="{x + fw + 4}" y="{y + fh / 2}" fill="#0f172a" font-weight="bold">N×</text>')
-        out.append(f'<text x="{x + 6}" y="{y + 16}" fill="#334155" font-style="italic">{name}</text>')
-    for x_mid, col_x in ((_ENC_X + _W / 2, _ENC_X), (_DEC_X + _W / 2, _DEC_X)):   # the residual stream, bottom to top
+        out.append(f'<text x="{x + fw + 4}" y="{y + fh / 2}" fill="#0f172a" '
+                   'font-weight="bold">N×</text>')
+        out.append(f'<text x="{x + 6}" y="{y + 16}" fill="#334155" '
+                   f'font-style="italic">{name}</text>')
+    # the residual stream, bottom to top
+    for x_mid, col_x in ((_ENC_X + _W / 2, _ENC_X), (_DEC_X + _W / 2, _DEC_X)):
         out.append(line(x_mid, 605, x_mid, 590))
         out.append(line(x_mid, 560, x_mid, 532))
     for key, label, x, y, parts in _BOXES:
         bg, stroke = fill(on(parts))
-        out.append(f'<rect x="{x}" y="{y}" width="{_W}" height="{_H}" rx="5" fill="{bg}" stroke="{stroke}" stroke-width="1.5"/>')
-        out.append(f'<text x="{x + _W / 2}" y="{y + _H / 2 + 4}" text-anchor="middle" fill="#0f172a">{escape(label)}</text>')
+        out.append(f'<rect x="{x}" y="{y}" width="{_W}" height="{_H}" rx="5" '
+                   f'fill="{bg}" stroke="{stroke}" stroke-width="1.5"/>')
+        out.append(f'<text x="{x + _W / 2}" y="{y + _H / 2 + 4}" '
+                   f'text-anchor="middle" fill="#0f172a">{escape(label)}</text>')
     for cx, cy in _POSITIONS:
         bg, stroke = fill(on({"positions"}))
-        out.append(f'<circle cx="{cx}" cy="{cy}" r="10" fill="{bg}" stroke="{stroke}" stroke-width="1.5"/>')
-        out.append(f'<text x="{cx}" y="{cy + 4}" text-anchor="middle" fill="#0f172a">+</text>')
+        out.append(f'<circle cx="{cx}" cy="{cy}" r="10" fill="{bg}" '
+                   f'stroke="{stroke}" stroke-width="1.5"/>')
+        out.append(f'<text x="{cx}" y="{cy + 4}" text-anchor="middle" '
+                   'fill="#0f172a">+</text>')
         out.append(f'<text x="{cx + 16}" y="{cy + 4}" fill="#334155">positions</text>')
-    for col_x, ys in ((_ENC_X, [455, 415, 365, 325]), (_DEC_X, [455, 415, 365, 325, 275, 235, 165, 120])):
+    for col_x, ys in ((_ENC_X, [455, 415, 365, 325]),
+                      (_DEC_X, [455, 415, 365, 325, 275, 235, 165, 120])):
         x_mid = col_x + _W / 2
         out.append(line(x_mid, 512, x_mid, ys[0] + _H))
         for upper, lower in zip(ys[1:], ys):
             out.append(line(x_mid, lower, x_mid, upper + _H))
     # residual connections: around each sub-layer, from its input to its Add & Norm
-    for col_x, pairs in ((_ENC_X, [(455, 415), (365, 325)]), (_DEC_X, [(455, 415), (365, 325), (275, 235)])):
+    for col_x, pairs in ((_ENC_X, [(455, 415), (365, 325)]),
+                         (_DEC_X, [(455, 415), (365, 325), (275, 235)])):
         bg, stroke = fill(on({"blocks"}))
         for sub_y, norm_y in pairs:
             y0, y1, xl = sub_y + _H + 7, norm_y + _H / 2, col_x - 7
-            out.append(f'<polyline points="{col_x + 24},{y0} {xl},{y0} {xl},{y1} {col_x - 2},{y1}" fill="none" '
-                       f'stroke="{"#b45309" if on({"blocks"}) else "#94a3b8"}" stroke-width="1.5" marker-end="url(#arrow)"/>')
+            out.append(f'<polyline points="{col_x + 24},{y0} {xl},{y0} {xl},{y1} '
+                       f'{col_x - 2},{y1}" fill="none" '
+                       f'stroke="{"#b45309" if on({"blocks"}) else "#94a3b8"}" '
+                       'stroke-width="1.5" marker-end="url(#arrow)"/>')
     # the encoder's output (memory) feeds every decoder layer's cross-attention
     ex = _ENC_X + _W / 2
-    out.append(f'<polyline points="{ex},325 {ex},280 {_DEC_X - 30},280 {_DEC_X - 30},380 {_DEC_X - 2},380" fill="none" '
-               f'stroke="#475569" stroke-width="1.5" marker-end="url(#arrow)"/>')
+    out.append(f'<polyline points="{ex},325 {ex},280 {_DEC_X - 30},280 '
+               f'{_DEC_X - 30},380 {_DEC_X - 2},380" fill="none" stroke="#475569" '
+               'stroke-width="1.5" marker-end="url(#arrow)"/>')
     out.append(f'<text x="{ex + 6}" y="273" fill="#334155">memory</text>')
     out.append(line(_DEC_X + _W / 2, 120, _DEC_X + _W / 2, 95))
     bg, stroke = fill(on({"decoding", "evaluation", "training"}))
-    out.append(f'<text x="{_DEC_X + _W / 2}" y="85" text-anchor="middle" fill="#0f172a" font-weight="bold">next-token probabilities</text>')
-    out.append(f'<text x="{_ENC_X + _W / 2}" y="625" text-anchor="middle" fill="#0f172a" font-weight="bold">source tokens (German)</text>')
-    out.append(f'<text x="{_DEC_X + _W / 2}" y="625" text-anchor="middle" fill="#0f172a" font-weight="bold">target so far (shifted right)</text>')
+    out.append(f'<text x="{_DEC_X + _W / 2}" y="85" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">next-token probabilities</text>')
+    out.append(f'<text x="{_ENC_X + _W / 2}" y="625" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">source tokens (German)</text>')
+    out.append(f'<text x="{_DEC_X + _W / 2}" y="625" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">target so far (shifted right)'
+               '</text>')
     if title:
-        head = "The Transformer" + (f" · you are here: {PARTS[highlight]}" if highlight else " (Vaswani et al., 2017, Figure 1)")
-        out.append(f'<text x="20" y="30" fill="#0f172a" font-size="15" font-weight="bold">{escape(head)}</text>')
+        head = "The Transformer" + (f" · you are here: {PARTS[highlight]}" if highlight
+                                    else " (Vaswani et al., 2017, Figure 1)")
+        out.append('<text x="20" y="30" fill="#0f172a" font-size="15" '
+                   f'font-weight="bold">{escape(head)}</text>')
     out.append("</svg>")
     return "\n".join(out)
 
@@ -162,10 +199,12 @@ class Figure:
     def _repr_svg_(self):
         return self.svg
 
-    def __repr__(self):  # what a terminal shows, and the plain-text twin of the picture in a notebook
+    # what a terminal shows, and the plain-text twin of the picture in a notebook
+    def __repr__(self):
         return f"<architecture map, {len(self.svg):,} characters of SVG>"
 
 
 def you_are_here(part: str) -> Figure:
-    "The small architecture map at the top of a chapter, with the chapter's part in amber."
+    ("The small architecture map at the top of a chapter, with the chapter's part in "
+     "amber.")
     return Figure(architecture(part, scale=0.62))
