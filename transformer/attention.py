@@ -13,7 +13,8 @@ from torch import Tensor
 # %% ../book/02_attention.ipynb #c013
 def _check_attention_inputs(query: Tensor, key: Tensor, value: Tensor,
                             mask: Tensor | None) -> None:
-    "Raise an error that names the bad value when query, key, value and mask can't go through Eq. (1) together."
+    """Raise an error that names the bad value when query, key, value and mask can't
+    go through Eq. (1) together."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 2:
             raise ValueError(f"{name} must have shape (..., T, d) with at least 2 "
@@ -32,7 +33,8 @@ def _check_attention_inputs(query: Tensor, key: Tensor, value: Tensor,
     except RuntimeError:
         raise ValueError("the leading (batch) dimensions of query "
                          f"{tuple(query.shape)}, key {tuple(key.shape)} "
-                         f"and value {tuple(value.shape)} do not broadcast together") from None
+                         f"and value {tuple(value.shape)} "
+                         "do not broadcast together") from None
     if mask is None:
         return
     if mask.dtype != torch.bool:
@@ -59,9 +61,11 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
               dropout=None) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention, Eq. (1), one step per line: the teaching path.
 
-    query (..., T_q, d_k), key (..., T_k, d_k), value (..., T_k, d_v); mask: bool, broadcastable to
-    (..., T_q, T_k), True = may attend; dropout: a callable applied to the weights (an `nn.Dropout`) or None.
-    Returns (output (..., T_q, d_v), weights (..., T_q, T_k)), with output == weights @ value.
+    query (..., T_q, d_k), key (..., T_k, d_k), value (..., T_k, d_v); mask: bool,
+    broadcastable to (..., T_q, T_k), True = may attend; dropout: a callable applied
+    to the weights (an `nn.Dropout`) or None.
+    Returns (output (..., T_q, d_v), weights (..., T_q, T_k)), with
+    output == weights @ value.
     A query whose keys are all masked gets zero weights and a zero output, never NaN."""
     _check_attention_inputs(query, key, value, mask)
     d_k = query.size(-1)
@@ -85,16 +89,21 @@ _LOW_PRECISION = (torch.bfloat16, torch.float16)
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  mask: Tensor | None = None,
                                  dropout_p: float = 0.0, need_weights: bool = False,
-                                 is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Eq. (1) with the contract of `attention`, fast: PyTorch's fused `F.scaled_dot_product_attention`
-    when the weights aren't needed, the teaching path `attention` when they are.
+                                 is_causal: bool = False
+                                 ) -> tuple[Tensor, Tensor | None]:
+    """Eq. (1) with the contract of `attention`, fast: PyTorch's fused
+    `F.scaled_dot_product_attention` when the weights aren't needed, the teaching
+    path `attention` when they are.
 
-    mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is applied to the weights
-    whenever it is > 0, so pass 0.0 in evaluation. Returns (output (..., T_q, d_v), weights (..., T_q, T_k)
-    or None). A query whose keys are all masked gets a zero output (and zero weights), never NaN.
-    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast path never builds the mask.
-    On CPU, bfloat16/float16 inputs (or autocast) go through the kernel in float32 and come back in the low precision:
-    PyTorch's low-precision CPU kernel is several times slower at our sizes (measured in chapter 3)."""
+    mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is
+    applied to the weights whenever it is > 0, so pass 0.0 in evaluation. Returns
+    (output (..., T_q, d_v), weights (..., T_q, T_k) or None). A query whose keys are
+    all masked gets a zero output (and zero weights), never NaN.
+    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast
+    path never builds the mask.
+    On CPU, bfloat16/float16 inputs (or autocast) go through the kernel in float32
+    and come back in the low precision: PyTorch's low-precision CPU kernel is several
+    times slower at our sizes (measured in chapter 3)."""
     if is_causal:
         if mask is not None:
             raise ValueError("pass either a mask or is_causal=True, not both; "
@@ -106,8 +115,10 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
         dropout = (lambda w: F.dropout(w, p=dropout_p)) if dropout_p > 0 else None
         return attention(query, key, value, mask, dropout)
     _check_attention_inputs(query, key, value, mask)
-    if query.device.type == "cpu" and (query.dtype in _LOW_PRECISION or torch.is_autocast_enabled("cpu")):
-        low = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else query.dtype
+    if query.device.type == "cpu" and (query.dtype in _LOW_PRECISION
+                                       or torch.is_autocast_enabled("cpu")):
+        low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+               else query.dtype)
         # float32 inside, whatever autocast says
         with torch.autocast("cpu", enabled=False):
             out, _ = scaled_dot_product_attention(query.float(), key.float(),
@@ -124,4 +135,5 @@ def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
     # kernel's output (inference), which saves a copy.
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | blind,
                                          dropout_p=dropout_p)
-    return (out.masked_fill(blind, 0.0) if out.requires_grad else out.masked_fill_(blind, 0.0)), None
+    return (out.masked_fill(blind, 0.0) if out.requires_grad
+            else out.masked_fill_(blind, 0.0)), None

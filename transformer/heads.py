@@ -12,17 +12,21 @@ from .attention import scaled_dot_product_attention
 
 # %% ../book/04_heads.ipynb #c005
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (section 3.2.2): h heads of width d_k = d_v = d_model / h, each with its own
-    projections W_i^Q, W_i^K, W_i^V (the h blocks of rows of `w_q`, `w_k`, `w_v`), concatenated and mixed by `w_o`.
+    """Multi-head attention (section 3.2.2): h heads of width d_k = d_v = d_model / h,
+    each with its own projections W_i^Q, W_i^K, W_i^V (the h blocks of rows of `w_q`,
+    `w_k`, `w_v`), concatenated and mixed by `w_o`.
 
-    forward(query (B, T_q, d_model), key (B, T_k, d_model), value (B, T_k, d_model), mask=None, need_weights=False)
-    -> (output (B, T_q, d_model), per-head weights (B, h, T_q, T_k) or None). mask: bool, broadcastable to
-    (B, h, T_q, T_k), True = may attend. Set `store_weights = True` to keep every forward's weights (detached)
-    in `last_weights`, for figures."""
+    forward(query (B, T_q, d_model), key (B, T_k, d_model), value (B, T_k, d_model),
+            mask=None, need_weights=False)
+    -> (output (B, T_q, d_model), per-head weights (B, h, T_q, T_k) or None).
+    mask: bool, broadcastable to (B, h, T_q, T_k), True = may attend. Set
+    `store_weights = True` to keep every forward's weights (detached) in
+    `last_weights`, for figures."""
 
     def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True):
         super().__init__()
-        if not (isinstance(h, int) and h >= 1 and isinstance(d_model, int) and d_model >= 1):
+        if not (isinstance(h, int) and h >= 1
+                and isinstance(d_model, int) and d_model >= 1):
             raise ValueError("d_model and h must be positive integers, got "
                              f"d_model={d_model!r}, h={h!r}")
         if d_model % h:
@@ -42,7 +46,8 @@ class MultiHeadAttention(nn.Module):
         self.last_weights: Tensor | None = None
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, dropout={self.dropout}"
+        return (f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, "
+                f"dropout={self.dropout}")
 
     def _check(self, query: Tensor, key: Tensor, value: Tensor,
                mask: Tensor | None) -> None:
@@ -73,7 +78,8 @@ class MultiHeadAttention(nn.Module):
                              "line up with the heads); give it as (B, 1, T_q, T_k) "
                              "with mask[:, None]")
         try:
-            ok = mask.dim() <= 4 and torch.broadcast_shapes(mask.shape, target) == target
+            ok = (mask.dim() <= 4
+                  and torch.broadcast_shapes(mask.shape, target) == target)
         except RuntimeError:
             ok = False
         if not ok:
@@ -82,27 +88,32 @@ class MultiHeadAttention(nn.Module):
                              f"(B, h, T_q, T_k) = {target}")
 
     def _split(self, x: Tensor) -> Tensor:
-        "(B, T, d_model) -> (B, h, T, d_k): head i gets features i*d_k ... (i+1)*d_k - 1 of the projection."
+        """(B, T, d_model) -> (B, h, T, d_k): head i gets features
+        i*d_k ... (i+1)*d_k - 1 of the projection."""
         B, T, _ = x.shape
         return x.reshape(B, T, self.h, self.d_k).transpose(1, 2)
 
     def _project(self, x: Tensor, *linears: nn.Linear) -> list[Tensor]:
-        "Several projections of the same input as one matrix product (the weights stacked), split after."
+        """Several projections of the same input as one matrix product (the weights
+        stacked), split after."""
         if len(linears) == 1:
             return [linears[0](x)]
         weight = torch.cat([l.weight for l in linears])         # (k * d_model, d_model)
-        bias = None if any(l.bias is None for l in linears) else torch.cat([l.bias for l in linears])
+        bias = (None if any(l.bias is None for l in linears)
+                else torch.cat([l.bias for l in linears]))
         return list(F.linear(x, weight, bias).chunk(len(linears), dim=-1))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 mask: Tensor | None = None,
-                need_weights: bool = False, is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, is_causal: bool = False
+                ) -> tuple[Tensor, Tensor | None]:
         self._check(query, key, value, mask)
         B, T_q, _ = query.shape
         if query is key and key is value:  # self-attention: Q, K, V in one product
             q, k, v = self._project(query, self.w_q, self.w_k, self.w_v)
         elif key is value:  # cross-attention: K, V in one product
-            (q,), (k, v) = self._project(query, self.w_q), self._project(key, self.w_k, self.w_v)
+            (q,), (k, v) = (self._project(query, self.w_q),
+                            self._project(key, self.w_k, self.w_v))
         else:
             q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)
         q, k, v = self._split(q), self._split(k), self._split(v)  # (B, h, T, d_k) each

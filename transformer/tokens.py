@@ -24,8 +24,9 @@ __all__ = ['PAD', 'UNK', 'BOS', 'EOS', 'SPECIAL_PIECES', 'MODEL_TYPES', 'Tokeniz
 
 # %% ../book/01_tokens.ipynb #c501f6bb
 class Tokenizer:
-    """A joint subword vocabulary for both languages: a trained sentencepiece model with
-    `PAD, UNK, BOS, EOS = 0, 1, 2, 3`. Build one with `Tokenizer.train` or `Tokenizer.load`."""
+    """A joint subword vocabulary for both languages: a trained sentencepiece model
+    with `PAD, UNK, BOS, EOS = 0, 1, 2, 3`. Build one with `Tokenizer.train` or
+    `Tokenizer.load`."""
 
     def __init__(self, model_proto: bytes):
         sp = spm.SentencePieceProcessor()
@@ -34,7 +35,8 @@ class Tokenizer:
         except (RuntimeError, TypeError) as e:
             raise ValueError(f"not a sentencepiece model ({len(model_proto)} "
                              f"bytes): {e}") from None
-        found = tuple(sp.id_to_piece(i) for i in range(min(len(SPECIAL_PIECES), sp.get_piece_size())))
+        found = tuple(sp.id_to_piece(i)
+                      for i in range(min(len(SPECIAL_PIECES), sp.get_piece_size())))
         if found != SPECIAL_PIECES:
             raise ValueError(f"this sentencepiece model has special pieces {found} "
                              "at ids 0-3, expected "
@@ -47,8 +49,9 @@ class Tokenizer:
               model_type: str = "bpe", *,
               character_coverage: float = 1.0, byte_fallback: bool = False,
               num_threads: int = 2) -> "Tokenizer":
-        """Train a sentencepiece model in memory on `texts` (one sentence each; pass both
-        languages for a joint vocabulary). Same texts and settings give the same model."""
+        """Train a sentencepiece model in memory on `texts` (one sentence each; pass
+        both languages for a joint vocabulary). Same texts and settings give the same
+        model."""
         if isinstance(texts, (str, bytes)):
             raise TypeError("texts must be an iterable of sentences, not a single "
                             "string")
@@ -78,12 +81,14 @@ class Tokenizer:
                 eos_piece=SPECIAL_PIECES[EOS], minloglevel=2)
         except RuntimeError as e:
             raise ValueError(f"sentencepiece could not train a {model_type} model with "
-                             f"vocab_size={vocab_size} on {len(texts)} texts: {e}") from e
+                             f"vocab_size={vocab_size} on {len(texts)} texts: "
+                             f"{e}") from e
         return cls(model.getvalue())
 
     # --- persistence ---------------------------------------------------------------
     def to_bytes(self) -> bytes:
-        "The serialized sentencepiece model (what `save` writes; store it in a checkpoint)."
+        """The serialized sentencepiece model (what `save` writes; store it in a
+        checkpoint)."""
         return self._proto
 
     @classmethod
@@ -91,7 +96,8 @@ class Tokenizer:
         return cls(data)
 
     def save(self, path: str | os.PathLike) -> Path:
-        "Write the model to `path` (a `.model` file sentencepiece tools can read), atomically."
+        """Write the model to `path` (a `.model` file sentencepiece tools can read),
+        atomically."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -161,7 +167,8 @@ class Tokenizer:
                             f"use encode_batch for a list of sentences")
         return self.sp.encode(text, out_type=int, add_bos=bos, add_eos=eos)
 
-    def encode_batch(self, texts: Sequence[str], bos: bool = False, eos: bool = False) -> list[list[int]]:
+    def encode_batch(self, texts: Sequence[str], bos: bool = False,
+                     eos: bool = False) -> list[list[int]]:
         "Token ids of many sentences (encoded in parallel by sentencepiece)."
         if isinstance(texts, str):
             raise TypeError("encode_batch expects a list of sentences, not a single "
@@ -179,7 +186,8 @@ class Tokenizer:
         return self.sp.encode(text, out_type=str)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        "Text of a sequence of ids. `PAD`, `BOS` and `EOS` are dropped; `UNK` shows as ' ⁇ '."
+        """Text of a sequence of ids. `PAD`, `BOS` and `EOS` are dropped; `UNK`
+        shows as ' ⁇ '."""
         if isinstance(ids, torch.Tensor):
             if ids.dim() != 1:
                 raise ValueError("decode expects one sequence (1-D), got shape "
@@ -198,10 +206,12 @@ class Tokenizer:
 
 # %% ../book/01_tokens.ipynb #908ce33b
 class Embeddings(nn.Module):
-    """Token ids -> vectors: a lookup table scaled by sqrt(d_model) (paper, section 3.4).
+    """Token ids -> vectors: a lookup table scaled by sqrt(d_model)
+    (paper, section 3.4).
 
-    The table starts as N(0, 1/d_model), the scale an output projection sharing these weights
-    wants, so the scaled output has entries of about unit size, like the positional encoding."""
+    The table starts as N(0, 1/d_model), the scale an output projection sharing these
+    weights wants, so the scaled output has entries of about unit size, like the
+    positional encoding."""
 
     def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None = PAD):
         super().__init__()
@@ -233,12 +243,13 @@ def token_batches(src: Sequence[Sequence[int]],
                   world_size: int = 1) -> list[list[int]]:
     """Split sentence pairs into batches of indices whose padded size fits `max_tokens`.
 
-    The cost of a batch is `len(batch) * longest side`, the number of slots of the larger
-    padded `(B, T)` tensor. Pairs are sorted by length (ties in random order), packed greedily,
-    and the batch order is shuffled with `seed` (pass the epoch). Every pair lands in exactly one
-    batch. With `world_size > 1`, rank `rank` gets every `world_size`-th batch, after dropping
-    the last few (fewer than `world_size`) so that every rank runs the same number of steps.
-    Lengths are those of the sequences as given: add BOS/EOS before, if the model sees them."""
+    The cost of a batch is `len(batch) * longest side`, the number of slots of the
+    larger padded `(B, T)` tensor. Pairs are sorted by length (ties in random order),
+    packed greedily, and the batch order is shuffled with `seed` (pass the epoch).
+    Every pair lands in exactly one batch. With `world_size > 1`, rank `rank` gets
+    every `world_size`-th batch, after dropping the last few (fewer than
+    `world_size`) so that every rank runs the same number of steps. Lengths are those
+    of the sequences as given: add BOS/EOS before, if the model sees them."""
     src_lens = [len(s) for s in src]
     tgt_lens = src_lens if tgt is None else [len(t) for t in tgt]
     if len(src_lens) != len(tgt_lens):
@@ -250,7 +261,8 @@ def token_batches(src: Sequence[Sequence[int]],
                              ("world_size", world_size, 1)):
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    if max_sentences is not None and (not isinstance(max_sentences, int) or max_sentences < 1):
+    if max_sentences is not None and (not isinstance(max_sentences, int)
+                                      or max_sentences < 1):
         raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
@@ -288,9 +300,11 @@ def token_batches(src: Sequence[Sequence[int]],
     return batches
 
 
-def pad_batch(seqs: Sequence[Sequence[int]], pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack sequences of ids into `ids (B, T)` long, padded with `pad_id` on the right, and
-    `mask (B, T)` bool, True where a real token is. T is the longest sequence."""
+def pad_batch(seqs: Sequence[Sequence[int]],
+              pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stack sequences of ids into `ids (B, T)` long, padded with `pad_id` on the
+    right, and `mask (B, T)` bool, True where a real token is. T is the longest
+    sequence."""
     if isinstance(seqs, torch.Tensor) or len(seqs) == 0:
         raise ValueError("pad_batch expects a non-empty list of id sequences")
     rows = []
