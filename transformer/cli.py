@@ -27,11 +27,11 @@ from .data import (LANGS, SPLITS, DataError, load_multi30k, read_parallel,
                               sha256_file)
 from .tokens import Tokenizer
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import (CheckpointError, RunDirectoryError, TrainConfig,
-                                  TrainingError, atomic_write, average_checkpoints,
-                                  epoch_batches, init_distributed, load_checkpoint,
-                                  make_examples, model_from_checkpoint, read_metrics,
-                                  run_lock, save_checkpoint, train)
+from .training import (CHECKPOINT_FORMAT, CheckpointError, RunDirectoryError,
+                                  TrainConfig, TrainingError, atomic_write,
+                                  average_checkpoints, epoch_batches, init_distributed,
+                                  load_checkpoint, make_examples, model_from_checkpoint,
+                                  read_metrics, run_lock, save_checkpoint, train)
 from .evaluation import bleu_callback, evaluate, score
 from .decoding import translate
 
@@ -809,7 +809,7 @@ def cmd_export(args) -> int:
     run_dir = Path(args.model)
     which = _chosen(run_dir) if args.checkpoint == "chosen" else args.checkpoint
     model, tokenizer, config = load_run(run_dir, which)
-    state = {"format": load_checkpoint(run_dir / f"{which}.pt")["format"],
+    state = {"format": CHECKPOINT_FORMAT,
              "model_config": model.config.to_dict(),
              "model": _converted(model.state_dict(),
                                  torch.float16 if args.half else None),
@@ -818,6 +818,7 @@ def cmd_export(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         atomic_write(out / "best.pt", lambda f: torch.save(state, f))
+        weights_sha256 = sha256_file(out / "best.pt")
         atomic_write(out / "tokenizer.model",
                      lambda f: f.write((run_dir / "tokenizer.model").read_bytes()))
         _write_json(out / "config.json", config)
@@ -832,7 +833,7 @@ def cmd_export(args) -> int:
             "checkpoint": "best", "exported_from": str(run_dir),
             "source_checkpoint": f"{which}.pt",
             "dtype": "float16" if args.half else "float32",
-            "weights_sha256": sha256_file(out / "best.pt"),
+            "weights_sha256": weights_sha256,
             "tokenizer_sha256": state["run"]["tokenizer_sha256"],
             "source_results": {k: source[k] for k in keep if k in source}})
     except BaseException:
@@ -842,7 +843,7 @@ def cmd_export(args) -> int:
     size = (out / "best.pt").stat().st_size
     print(f"wrote {out}: {which}.pt of {run_dir} as "
           f"{'float16' if args.half else 'float32'} weights ({size / 2**20:.1f} "
-          f"MiB, sha256 {sha256_file(out / 'best.pt')[:12]}…), tokenizer.model, "
+          f"MiB, sha256 {weights_sha256[:12]}…), tokenizer.model, "
           "config.json, results.json")
     return 0
 
