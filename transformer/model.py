@@ -142,7 +142,8 @@ class Transformer(nn.Module):
         nn.init.normal_(self.generator.weight, mean=0.0, std=std)
         nn.init.zeros_(self.generator.bias)
 
-    def _check_ids(self, ids: torch.Tensor, vocab: int, name: str) -> None:
+    def _check_ids(self, ids: torch.Tensor, vocab: int, name: str,
+                   values: bool = True) -> None:
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
             shape = (tuple(ids.shape) if isinstance(ids, torch.Tensor)
                      else type(ids).__name__)
@@ -159,8 +160,8 @@ class Transformer(nn.Module):
                              f"> max_len={self.config.max_len}; "
                              "truncate it or build the model with "
                              f"max_len>={ids.size(1)}")
-        if torch.compiler.is_compiling():
-            return  # value checks read the data; skip them inside a compiled graph
+        if not values or torch.compiler.is_compiling():
+            return  # the value check reads the data: a host sync on a GPU
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= vocab:
             bad = lo if lo < 0 else hi
@@ -192,11 +193,14 @@ class Transformer(nn.Module):
         -> logits (B, T, tgt_vocab)."""
         return self.generator(self.features(src, tgt_in))            # (B, T, tgt_vocab)
 
-    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor,
+                 check_ids: bool = True) -> torch.Tensor:
         """`forward` without the generator: the decoder's output (B, T, d_model), for a
-        loss that needs the logits of the real (non-pad) positions only."""
-        self._check_ids(src, self.config.src_vocab, "src")
-        self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in")
+        loss that needs the logits of the real (non-pad) positions only.
+        `check_ids=False` skips the check that every id is in the vocabulary (it
+        reads the data: a host sync on a GPU), for a loop that checked its data once."""
+        self._check_ids(src, self.config.src_vocab, "src", check_ids)
+        self._check_ids(tgt_in, self.config.tgt_vocab, "tgt_in", check_ids)
         if src.size(0) != tgt_in.size(0):
             raise ValueError("src and tgt_in have different batch sizes: "
                              f"{src.size(0)} != {tgt_in.size(0)}")
@@ -207,9 +211,11 @@ class Transformer(nn.Module):
         return self.decoder(y, memory, None, src_mask, tgt_is_causal=True)
 
     def _source_mask(self, src):
-        """The padding mask of `src`, or None when the batch has no padding
-        (the kernel's fastest case)."""
-        if torch.compiler.is_compiling() or (src == self.config.pad_id).any():
+        """The padding mask of `src`, or None when the batch has no padding (the
+        kernel's fastest case). Only asked on the CPU: on a GPU the answer would wait
+        for the device (a host sync), and a compiled graph cannot branch on data."""
+        if (torch.compiler.is_compiling() or src.device.type != "cpu"  # no host sync
+                or (src == self.config.pad_id).any()):
             return padding_mask(src, self.config.pad_id)
         return None
 

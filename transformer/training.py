@@ -3,39 +3,36 @@
 # %% ../book/08_training.ipynb #c002
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import math
 import os
-import signal
 import sys
-import tempfile
-import threading
 import time
 import warnings
-import zipfile
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
-
-try:
-    import fcntl                    # POSIX file locks (Linux, macOS)
-except ImportError:                 # Windows: run directories are not locked there
-    fcntl = None
 
 from .tokens import PAD, BOS, EOS, Tokenizer, token_batches, pad_batch
 from .masking import teacher_forcing
 from .model import Transformer, TransformerConfig
+# the engine around the loop (appendix E): files that survive a crash, devices
+from transformer.checkpoints import (
+    CHECKPOINT_FORMAT, CheckpointError, RunDirectoryError, SaveError, TrainingError,
+    atomic_write, check_resumable, load_checkpoint, load_optimizer_state, model_bytes,
+    model_from_checkpoint, read_metrics, run_lock, save_checkpoint, strip_prefixes,
+    truncate_metrics)
+from .devices import (
+    Precision, StopRequest, all_sum, choose_precision, cpu_has_bf16_units, distributed,
+    fast_matmul, init_distributed, prefetch, world)
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainConfig', 'TrainingError', 'TrainResult', 'cpu_has_bf16_units', 'world', 'init_distributed', 'RunDirectoryError', 'run_lock', 'evaluate_loss', 'read_metrics', 'train', 'average_checkpoints', 'fused_smoothed_cross_entropy']
+__all__ = ['TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'TrainConfig', 'TrainResult', 'check_examples', 'evaluate_loss', 'train', 'average_checkpoints', 'fused_smoothed_cross_entropy', 'cross_entropy_sums']
 
 # %% ../book/08_training.ipynb #c005
 def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
@@ -83,13 +80,13 @@ def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> flo
 # %% ../book/08_training.ipynb #c016
 def make_optimizer(model: nn.Module, betas: tuple[float, float] = (0.9, 0.98),
                    eps: float = 1e-9, weight_decay: float = 0.0) -> torch.optim.Adam:
-    """Adam with the paper's constants; the fused kernel on CUDA. The rate is set per
-    step by the loop."""
+    """Adam with the paper's constants, as one fused kernel on CPU and CUDA (it can also
+    skip a step on the device, see the loop). The rate is set per step by the loop."""
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = bool(params) and all(p.is_cuda for p in params)
+    fused = bool(params) and all(p.device.type in ("cpu", "cuda")
+                                 and p.dtype.is_floating_point for p in params)
     return torch.optim.Adam(params, lr=0.0, betas=betas, eps=eps,
                             weight_decay=weight_decay, fused=fused or None)
-
 
 def set_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
@@ -145,7 +142,7 @@ def make_examples(tokenizer: Tokenizer, pairs: list[tuple[str, str]],
 # %% ../book/08_training.ipynb #c022
 class Seq2SeqLoss(nn.Module):
     """The model and its training loss in one forward: (src, tgt) ids
-    -> (smoothed loss sum, NLL sum)."""
+    -> (smoothed loss sum, NLL sum). The ids must be checked already (`check_ids`)."""
 
     def __init__(self, model: Transformer, epsilon: float = 0.1):
         super().__init__()
@@ -154,199 +151,16 @@ class Seq2SeqLoss(nn.Module):
     def forward(self, src: torch.Tensor,
                 tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tgt_in, tgt_out = teacher_forcing(tgt)                      # (B, T-1) each
-        hidden = self.model.features(src, tgt_in)                   # (B, T-1, d_model)
-        keep = tgt_out != self.model.config.pad_id                  # (B, T-1)
-        logits = self.model.generator(hidden[keep])                 # (n, V)
-        return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
-
-# %% ../book/08_training.ipynb #c026
-CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
-
-
-class CheckpointError(ValueError):
-    "A checkpoint file is missing, unreadable, or not a checkpoint of this package."
-
-
-def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in module.state_dict().items()}
-
-
-class SaveError(OSError):
-    """A file could not be written (disk full, no permission); the previous version of
-    it is intact."""
-
-    def __str__(self):  # the message alone, without OSError's "[Errno 28]" in front
-        return self.strerror or super().__str__()
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
-    """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a
-    name no other writer uses, which is flushed to the disk and then renamed over
-    `path`. On any error the temporary file is removed and `path` is as it was; an
-    `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
-    path = Path(path)
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                   suffix=".tmp")
-        # mkstemp makes the file private; give it the usual permissions
-        os.chmod(tmp, 0o666 & ~_umask())
-        with os.fdopen(fd, mode) as f:
-            write(f)
-            f.flush()
-            # on the disk before the rename: a power cut cannot leave an empty file
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        # torch.save may wrap the OSError of a full disk in a RuntimeError of its own:
-        # look for it in the chain
-        cause = e if isinstance(e, (OSError, RuntimeError)) else None
-        while cause is not None and not isinstance(cause, OSError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None and not isinstance(cause, SaveError):
-            e = cause
-            before = (f"the previous {path.name} is intact" if path.exists()
-                      else "nothing was written")
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            why = ("no space left on the device" if full
-                   else (e.strerror or str(e)).lower())
-            fix = "free some space" if full else f"check that {path.parent} is writable"
-            raise SaveError(e.errno,
-                            f"{why} while saving {path}; {before}. "
-                            f"{fix.capitalize()} and run again "
-                            f"(a training run continues with --resume)") from None
-        raise
-    return path
-
-
-def save_checkpoint(path: str | os.PathLike, model: Transformer,
-                    optimizer: torch.optim.Optimizer | None = None,
-                    train_config: "TrainConfig | None" = None,
-                    progress: dict | None = None,
-                    run: dict | None = None) -> Path:
-    """Write model weights + config (+ optimizer, training config, progress) to `path`,
-    atomically. `run` records facts about the files of the run the checkpoint belongs to
-    (e.g. the tokenizer's sha256)."""
-    path = Path(path)
-    state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
-             "model": _plain_state(model)}
-    if optimizer is not None:
-        state["optimizer"] = optimizer.state_dict()
-    if train_config is not None:
-        state["train_config"] = asdict(train_config)
-    if progress is not None:
-        state["progress"] = dict(progress)
-    if run:
-        state["run"] = dict(run)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return atomic_write(path, lambda f: torch.save(state, f))
-
-
-def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
-    """Read a checkpoint with `weights_only=True`; `CheckpointError` for anything that
-    is not ours."""
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: no such checkpoint file")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
-        raise CheckpointError(f"{path} is not a readable checkpoint "
-                              "(not a file written by torch.save, "
-                              f"or a truncated one)")
-    try:
-        state = torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types for foreign or damaged files
-        lines = ([l.strip() for l in str(e).splitlines() if l.strip()]
-                 or [type(e).__name__])
-        reason = next((l.split("error:", 1)[1].split(". Please")[0].strip()
-                       for l in lines if "WeightsUnpickler error:" in l), lines[0])
-        raise CheckpointError(f"{path} is not a readable checkpoint "
-                              f"({reason[:160]})") from None
-    if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
-        keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
-        raise CheckpointError(f"{path} is not a checkpoint of this package (format "
-                              f"{CHECKPOINT_FORMAT!r} expected; found {keys})")
-    return state
-
-
-def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Drop the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter
-    names."""
-    out = {}
-    for key, value in state_dict.items():
-        while key.startswith(("_orig_mod.", "module.")):
-            key = key.split(".", 1)[1]
-        out[key] = value
-    return out
-
-
-def _memory_bytes() -> int | None:
-    "This machine's physical memory in bytes, where the OS tells."
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-def model_bytes(config: TransformerConfig) -> int:
-    """Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper
-    bound, computed, not built."""
-    d, f, n = config.d_model, config.d_ff, config.n_layers
-    attention, ffn, norm = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
-    layers = (n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
-              + 2 * norm)
-    vocab = (max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings
-             else config.src_vocab + 2 * config.tgt_vocab)
-    # embeddings (+ generator), its bias, PE
-    tables = vocab * d + config.tgt_vocab + config.max_len * d
-    return 4 * (layers + tables)
-
-
-def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
-                          name: str | None = None) -> Transformer:
-    """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights
-    loaded, in eval mode. Refused with a `CheckpointError`: a config too large for this
-    machine's memory (checked before anything is built) and weights that hold NaN or
-    infinity (a diverged run would translate to nothing)."""
-    name = name or ("the checkpoint" if isinstance(checkpoint, dict)
-                    else str(checkpoint))
-    state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
-    try:
-        config = TransformerConfig.from_dict(state["model_config"])
-        need, have = model_bytes(config), _memory_bytes()
-        if have is not None and need > have:
-            raise CheckpointError(
-                f"{name} describes a model of about {need / 2**30:,.1f} GiB "
-                f"(d_model={config.d_model}, d_ff={config.d_ff}, "
-                f"n_layers={config.n_layers}, "
-                f"vocabulary {config.src_vocab:,}), "
-                f"more than this machine's {have / 2**30:,.1f} GiB of memory; "
-                f"the file is damaged or was not written by this package")
-        weights = strip_prefixes(state["model"])
-        bad = next((k for k, v in weights.items()
-                    if v.is_floating_point() and not torch.isfinite(v).all()), None)
-        if bad is not None:
-            raise CheckpointError(
-                f"{name} holds NaN or infinite weights ({bad}): "
-                f"the run diverged or the file is damaged; "
-                f"use another checkpoint (--checkpoint best, last or averaged)")
-        model = Transformer(config)
-        model.load_state_dict(weights)
-    except CheckpointError:
-        raise
-    except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(f"{name} does not describe a model this package can "
-                              "build: "
-                              f"{str(e).splitlines()[0][:200]}") from None
-    return model.to(device).eval()
+        hidden = self.model.features(src, tgt_in,
+                                     check_ids=False)               # (B, T-1, d_model)
+        pad = self.model.config.pad_id
+        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
+            keep = tgt_out != pad                                   # (B, T-1)
+            logits = self.model.generator(hidden[keep])             # (n, V)
+            return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
+        # GPU or compiled: every position, no data-dependent shapes
+        logits = self.model.generator(hidden)                       # (B, T-1, V)
+        return cross_entropy_sums(logits, tgt_out, self.epsilon, pad)
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
@@ -440,11 +254,6 @@ class TrainConfig:
         return cls(**d)
 
 # %% ../book/08_training.ipynb #c030
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. the loss became NaN); the last good checkpoint is
-    intact."""
-
-
 @dataclass
 class TrainResult:
     "What `train` did: where it stopped and why, and everything it logged."
@@ -468,200 +277,45 @@ class TrainResult:
         return self.tokens / max(self.train_seconds - self.eval_seconds, 1e-9)
 
 
-def cpu_has_bf16_units() -> bool:
-    """Whether this CPU computes bf16 products in hardware, where bf16 autocast speeds
-    training up: Intel's AMX tiles, or AVX-512 BF16 dot products (AMD Zen 4 and later,
-    Intel Cooper Lake and later)."""
-    for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        probe = getattr(torch.cpu, name, None)  # private, so asked for carefully
-        try:
-            if probe is not None and probe():
-                return True
-        except Exception:
-            pass
-    return False
-
-
-def world() -> tuple[int, int]:
-    "(rank, world_size) of this process; (0, 1) without torch.distributed."
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def init_distributed(device_type: str = "cpu") -> tuple[int, int, int]:
-    """Join the process group torchrun describes in the environment (NCCL on CUDA, gloo
-    on CPU). Returns (rank, world_size, local_rank); (0, 1, 0) when not started by
-    torchrun."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return 0, 1, 0
-    if not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return (dist.get_rank(), dist.get_world_size(),
-            int(os.environ.get("LOCAL_RANK", "0")))
-
-
-class _StopRequest:
-    """The first Ctrl-C (SIGINT) or SIGTERM (what `kill`, schedulers and container
-    runtimes send) asks the loop to stop after the current step and save; a second one
-    aborts at once."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.requested, self.signum, self._previous = False, None, {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested, self.signum = True, signum
-        print(f"\n{signal.Signals(signum).name}: "
-              "stopping after this step, saving last.pt "
-              f"(send it again to abort)", file=sys.stderr, flush=True)
-
-    def __exit__(self, *exc):
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-
-
-class RunDirectoryError(ValueError):
-    "A run directory is in use by another process, or holds the files of another run."
-
-
-# run directories this process holds: resolved path -> lock file descriptor
-_HELD: dict[str, int] = {}
-
-
-@contextmanager
-def run_lock(out_dir: str | os.PathLike):
-    """Hold a run directory for one run: an exclusive `fcntl.flock` on `out_dir/.lock`,
-    which records the pid. The operating system releases it when the process ends,
-    however it ends, so a crash never leaves it stuck. A second process gets a
-    `RunDirectoryError` that names the pid holding it. Re-entrant within one process;
-    temporary files that a killed run left behind are removed once the lock is held. No
-    lock where `fcntl` is missing (Windows)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise RunDirectoryError(f"{out} is a file, not a directory; "
-                                "pass a directory for the run "
-                                "(it is created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
-    key = str(out.resolve())
-    if fcntl is None or key in _HELD:
-        yield out
-        return
-    lock = out / ".lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not lock.exists() or os.stat(lock).st_ino != os.fstat(fd).st_ino:
-            # the holder removed the file as we opened it: another run got there first
-            raise BlockingIOError
-    except OSError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); "
-                                "wait for it to end, "
-                                f"or train into another directory (--out)") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _HELD[key] = fd
-    try:
-        # a temporary file of a run that was killed mid-save
-        for stale in out.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
-        yield out
-    finally:
-        del _HELD[key]
-        # still held: nobody can take it between these two lines
-        lock.unlink(missing_ok=True)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+def check_examples(examples, config: TransformerConfig, name: str) -> None:
+    """Every id of `(src_ids, tgt_ids)` examples inside its vocabulary: checked once,
+    here, so that the training step need not read its data back from the device."""
+    for i, (src, tgt) in enumerate(examples):
+        for side, ids, vocab in (("source", src, config.src_vocab),
+                                 ("target", tgt, config.tgt_vocab)):
+            if ids and not 0 <= min(ids) <= max(ids) < vocab:
+                bad = min(ids) if min(ids) < 0 else max(ids)
+                raise ValueError(f"{name}[{i}]: the {side} holds token id {bad} "
+                                 f"outside the vocabulary [0, {vocab})")
 
 
 @torch.no_grad()
 def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
-                  epsilon: float = 0.1) -> dict:
-    "Validation loss (label-smoothed), NLL and perplexity per real target token."
+                  epsilon: float = 0.1, precision: Precision | None = None) -> dict:
+    """Validation loss (label-smoothed), NLL and perplexity per real target token.
+    With several processes each computes a share and the sums are added up."""
     device = next(model.parameters()).device
+    precision = precision or Precision(device.type)
+    rank, world_size = world()
     was_training = model.training
     criterion = Seq2SeqLoss(model, epsilon).eval()
-    total = torch.zeros(2, dtype=torch.float64)
-    n = 0
-    for piece in token_batches([s for s, _ in examples], [t for _, t in examples],
-                               batch_tokens, shuffle=False):
-        loss, nll = criterion(*collate(examples, piece, device))
-        total += torch.stack([loss.detach(), nll.detach()]).double().cpu()
-        n += sum(len(examples[i][1]) - 1 for i in piece)
+    total = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, tokens
+    pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
+                           batch_tokens, shuffle=False)
+    for piece in pieces[rank::world_size]:
+        with precision.autocast():
+            loss, nll = criterion(*collate(examples, piece, device))
+        n = sum(len(examples[i][1]) - 1 for i in piece)
+        total += torch.stack([loss.double(), nll.double(), loss.new_tensor(n).double()])
     model.train(was_training)
-    loss, nll = (total / n).tolist()
-    return {"val_loss": loss, "val_nll": nll, "val_ppl": math.exp(min(nll, 50.0))}
+    loss, nll, n = all_sum(total).tolist()
+    return {"val_loss": loss / n, "val_nll": nll / n,
+            "val_ppl": math.exp(min(nll / n, 50.0))}
 
 
 def _round(record: dict) -> dict:
     return {k: (float(f"{v:.6g}") if isinstance(v, float) else v)
             for k, v in record.items()}
-
-
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The records of a `metrics.jsonl`, one dict a line. A last line cut short (the run
-    was killed while writing it) is dropped with a warning; a damaged line before it is
-    a `TrainingError` that names the file and line."""
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-            if not isinstance(record, dict) or "step" not in record:
-                raise ValueError("not a metrics record")
-        except ValueError as e:
-            if number == len(lines):
-                warnings.warn(f"{path}: dropped its last line, cut short "
-                              f"({line[:40]!r}...): the run was stopped "
-                              f"while writing it", stacklevel=2)
-                break
-            raise TrainingError(f"{path}, line {number}: not a metrics record ({e}); "
-                                "fix or delete that line") from None
-        records.append(record)
-    return records
-
-
-def _keep_lines_until(path: Path, step: int) -> None:
-    """After a resume from `step`, forget metrics a crashed session wrote past it (and a
-    last line cut short)."""
-    if path.exists():
-        kept = [r for r in read_metrics(path) if r["step"] <= step]
-        atomic_write(path,
-                     lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)),
-                     mode="w")
-
-
-def _check_resumable(saved: dict, config: "TrainConfig", model: Transformer,
-                     path: Path) -> None:
-    if saved.get("model_config") != model.config.to_dict():
-        diff = {k: (v, saved.get("model_config", {}).get(k))
-                for k, v in model.config.to_dict().items()
-                if saved.get("model_config", {}).get(k) != v}
-        raise ValueError(f"cannot resume from {path}: the model differs " +
-                         ", ".join(f"{k}={new!r} (saved {old!r})"
-                                   for k, (new, old) in diff.items()))
-    now = asdict(config)
-    diff = [k for k in now if k not in TrainConfig.RESUMABLE
-            and saved.get("train_config", {}).get(k) != now[k]]
-    if diff:
-        raise ValueError(f"cannot resume from {path}: the training config differs " +
-                         ", ".join(f"{k}={now[k]!r} "
-                                   f"(saved {saved['train_config'].get(k)!r})"
-                                   for k in diff))
 
 # %% ../book/08_training.ipynb #c031
 def train(model: Transformer, train_examples: list, val_examples: list | None = None,
@@ -675,20 +329,23 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     directory's `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`,
     and without it a directory that already holds a run is refused.
     `on_eval(model, step) -> dict` adds metrics at each evaluation (a `"bleu"` key then
-    picks `best.pt`). `run` is recorded in every checkpoint (see `save_checkpoint`).
-    Ctrl-C or SIGTERM stops after the current step and saves `last.pt`
-    (`stopped="interrupted"`). Runs under torchrun with DDP when a process group
-    exists."""
+    picks `best.pt`); with several processes every one calls it. `run` is recorded in
+    every checkpoint (see `save_checkpoint`). Ctrl-C or SIGTERM stops after the
+    current step and saves `last.pt` (`stopped="interrupted"`). Runs under torchrun
+    with DDP when a process group exists."""
     config = config or TrainConfig()
     if not train_examples:
         raise ValueError("train_examples is empty; "
                          "pass a list of (src_ids, tgt_ids) pairs")
+    check_examples(train_examples, model.config, "train_examples")
+    check_examples(val_examples or [], model.config, "val_examples")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume=True needs out_dir, the directory that holds last.pt")
+    loop = _Loop(model, train_examples, val_examples, config, out, on_eval, progress,
+                 run)
     if out is None or world()[0] != 0:
-        return _train(model, train_examples, val_examples, config, out, resume, on_eval,
-                      progress, run)
+        return loop.run(resume)
     with run_lock(out):
         if resume and not (out / "last.pt").exists():
             raise RunDirectoryError(f"{out} holds no last.pt to resume from")
@@ -697,204 +354,260 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
             raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); "
                                     "resume it (resume=True, "
                                     f"--resume) or train into another directory")
-        return _train(model, train_examples, val_examples, config, out, resume, on_eval,
-                      progress, run)
+        return loop.run(resume)
 
+# %% ../book/08_training.ipynb #c031a
+class _Loop:
+    """One training run: its state, and its moves (a step, a look at the numbers, an
+    evaluation, a save)."""
 
-def _train(model, train_examples, val_examples, config, out, resume, on_eval, progress,
-           run) -> TrainResult:
-    "The loop of `train`, its arguments checked and its directory held."
-    device = next(model.parameters()).device
-    rank, world_size = world()
-    pieces = world_size * config.accum_steps
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    optimizer = make_optimizer(model, (config.beta1, config.beta2), config.adam_eps)
-    at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0, "eval_seconds": 0.0,
-          "tokens": 0}
-    best = None
-    if resume:
-        saved = load_checkpoint(out / "last.pt")
-        _check_resumable(saved, config, model, out / "last.pt")
-        model.load_state_dict(strip_prefixes(saved["model"]))
-        optimizer.load_state_dict(saved["optimizer"])
-        at.update({k: saved["progress"].get(k, at[k]) for k in at})
-        best = saved["progress"].get("best")
-    if out is not None and rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        _keep_lines_until(out / "metrics.jsonl", at["step"])
+    def __init__(self, model, examples, val_examples, config, out, on_eval, progress,
+                 run):
+        self.model, self.examples, self.val_examples = model, examples, val_examples
+        self.config, self.out, self.on_eval, self.run_facts = config, out, on_eval, run
+        self.device = next(model.parameters()).device
+        self.rank, self.world_size = world()
+        self.pieces = self.world_size * config.accum_steps
+        fast_matmul(self.device)
+        self.precision = choose_precision(self.device, config.amp, config.cpu_bf16)
+        # on the CPU evaluation stays float32, as the book's numbers were measured
+        self.eval_precision = (self.precision if self.device.type == "cuda"
+                               else Precision(self.device.type))
+        self.optimizer = make_optimizer(model, (config.beta1, config.beta2),
+                                        config.adam_eps)
+        criterion = Seq2SeqLoss(model, config.label_smoothing)
+        self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
+        self.net = self.ddp or criterion
+        if config.compile:  # one graph for the step (DDP splits it at its buckets)
+            self.net = torch.compile(self.net, fullgraph=self.ddp is None)
+        self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
+                   "eval_seconds": 0.0, "tokens": 0}
+        self.best, self.saved_step, self.history = None, None, []
+        self.progress = progress and self.rank == 0
+        # on the device, read every log_every steps: loss and NLL sums, steps that
+        # went non-finite, and the first of them (step, loss sum, gradient norm)
+        self.window = torch.zeros(6, dtype=torch.float64, device=self.device)
+        self.grad_norm = self.window.new_zeros(())
 
-    criterion = Seq2SeqLoss(model, config.label_smoothing)
-    ddp = (DistributedDataParallel(
-               criterion, device_ids=[device.index] if device.type == "cuda" else None)
-           if world_size > 1 else None)
-    net = ddp or criterion
-    if config.compile:
-        net = torch.compile(net)
-    use_amp = ((config.amp and device.type == "cuda")
-               or (config.cpu_bf16 and device.type == "cpu"))
-    if use_amp and device.type == "cpu" and not cpu_has_bf16_units():
-        warnings.warn("cpu_bf16=True on a CPU without bf16 instructions "
-                      "(AMX, AVX512-BF16): autocast may be slower than "
-                      "float32 here; set cpu_bf16=False (--no-cpu-bf16)", stacklevel=2)
-    history: list[dict] = []
+    def resume(self) -> None:
+        path = self.out / "last.pt"
+        saved = load_checkpoint(path)
+        check_resumable(saved, self.config, self.model, path)
+        self.model.load_state_dict(strip_prefixes(saved["model"]))
+        load_optimizer_state(self.optimizer, saved["optimizer"])
+        self.at.update({k: saved["progress"].get(k, v) for k, v in self.at.items()})
+        self.best, self.saved_step = saved["progress"].get("best"), self.at["step"]
 
-    def log(record: dict) -> None:
-        record = _round(record)
-        history.append(record)
-        if out is not None and rank == 0:
-            with open(out / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(record) + "\n")
+    def schedule(self):
+        """(epoch, index, steps in the epoch, pieces of the global batch) of every step
+        from where the loop stands, epoch after epoch."""
+        c, epoch, index = self.config, self.at["epoch"], self.at["batch"]
+        while True:
+            steps = epoch_batches(self.examples, c.batch_tokens, c.seed, epoch,
+                                  self.pieces)
+            if not steps:
+                raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
+                                 f"from {len(self.examples)} examples in "
+                                 f"{self.pieces} pieces; "
+                                 "lower accum_steps or use more data")
+            for index in range(index, len(steps)):
+                yield epoch, index, len(steps), steps[index]
+            epoch, index = epoch + 1, 0
 
-    saved_step = at["step"] if resume else None
+    def tensors(self, item) -> list[torch.Tensor]:
+        "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
+        mine = my_pieces(item[-1], self.rank, self.world_size)
+        return [t for piece in mine for t in collate(self.examples, piece)]
 
-    def save(name: str) -> None:
-        nonlocal saved_step
-        if out is not None and rank == 0:
-            save_checkpoint(out / name, model, optimizer, config, {**at, "best": best},
-                            run)
+    def run(self, resume: bool) -> TrainResult:
+        "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
+        c = self.config
+        if resume:
+            self.resume()
+        if self.out is not None and self.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            truncate_metrics(self.out / "metrics.jsonl", self.at["step"])
+        start, before = time.perf_counter(), self.at["seconds"]
+        self.clock = lambda: before + time.perf_counter() - start
+        self.window_start = (self.at["tokens"], time.perf_counter())
+        bar = tqdm(total=c.max_steps, initial=self.at["step"], unit="step",
+                   dynamic_ncols=True, disable=not self.progress, file=sys.stderr)
+        batches = prefetch(self.schedule(), self.tensors, self.device)
+        stopped, count = "max_steps", 1
+        try:
+            with StopRequest() as self.stop:
+                while self.at["step"] < c.max_steps:
+                    (epoch, index, count, step_pieces), tensors = next(batches)
+                    self.at.update(epoch=epoch, batch=index + 1)
+                    lr = self.step(tensors, step_pieces)
+                    bar.update(1)
+                    stopped = self.should_stop() or stopped
+                    step, done = self.at["step"], (self.at["step"] >= c.max_steps
+                                                  or stopped != "max_steps")
+                    snap = c.keep_checkpoints and (
+                        step % (c.snapshot_every or c.eval_every) == 0 or done)
+                    evaluate = ((step % c.eval_every == 0 or done)
+                                and stopped != "interrupted")
+                    if step % c.log_every == 0 or done:
+                        self.log_train(lr, bar)     # reads the device; raises on NaN
+                    elif snap or evaluate:
+                        self.read_window()              # no NaN may reach a file
+                    if snap:
+                        self.snapshot()
+                    if evaluate:
+                        self.evaluate()
+                    if evaluate or done:
+                        self.save("last.pt")
+                    if done:
+                        break
+        finally:
+            batches.close()
+            bar.close()
+        at = self.at
+        return TrainResult(step=at["step"], epoch=at["epoch"],
+                           epochs=at["epoch"] + at["batch"] / count, stopped=stopped,
+                           train_seconds=at["seconds"], eval_seconds=at["eval_seconds"],
+                           tokens=at["tokens"], best=self.best, history=self.history,
+                           signal=self.stop.signum)
+
+    def step(self, tensors: list[torch.Tensor], step_pieces: list[list[int]]) -> float:
+        """One optimizer step on this process's pieces of a global batch; returns the
+        learning rate. Nothing here waits for the device."""
+        c, n = self.config, sum(len(self.examples[i][1]) - 1
+                                for piece in step_pieces for i in piece)
+        # the dropout masks of this step depend on (seed, step, rank) alone
+        torch.manual_seed(c.seed * 1_000_003 + self.at["step"] * 1_009 + self.rank)
+        self.model.train()
+        sums = self.window.new_zeros(2)                              # loss, NLL
+        pairs = list(zip(tensors[::2], tensors[1::2]))
+        for j, (src, tgt) in enumerate(pairs):
+            last = j == len(pairs) - 1
+            with nullcontext() if self.ddp is None or last else self.ddp.no_sync():
+                if c.compile:  # one graph for every batch shape
+                    for t in (src, tgt):
+                        torch._dynamo.maybe_mark_dynamic(t, 0)
+                        torch._dynamo.maybe_mark_dynamic(t, 1)
+                with self.precision.autocast():
+                    loss, nll = self.net(src, tgt)
+                self.precision.backward(loss * (self.world_size / n))
+            sums += torch.stack([loss.detach(), nll.detach()]).double()
+        lr = rate(self.at["step"] + 1, self.model.config.d_model, c.warmup, c.lr_scale)
+        set_rate(self.optimizer, lr)
+        self.precision.unscale(self.optimizer)
+        self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                                        c.clip_norm or math.inf)
+        bad = ~torch.isfinite(sums.sum())  # (with a scaler, overflows are normal)
+        if self.precision.scaler is None:
+            bad |= ~torch.isfinite(self.grad_norm)
+        self.precision.step(self.optimizer, bad.float())  # skipped on the device if bad
+        self.optimizer.zero_grad(set_to_none=True)
+        self.at["step"] += 1
+        self.at["tokens"] += n
+        first = bad & (self.window[2] == 0)
+        w = self.window
+        w[:3] += torch.cat([sums, bad.double()[None]])
+        w[3:] = torch.where(first, torch.stack([w.new_tensor(self.at["step"]), sums[0],
+                                                self.grad_norm.double()]), w[3:])
+        return lr
+
+    def should_stop(self) -> str | None:
+        """"interrupted" (a signal), "max_minutes" or None. With several processes asked
+        every `log_every` steps only, all together (one small all-reduce)."""
+        c = self.config
+        interrupted = self.stop.requested
+        late = c.max_minutes is not None and self.clock() >= 60 * c.max_minutes
+        if self.world_size > 1:
+            if self.at["step"] % c.log_every:
+                return None
+            flags = all_sum(torch.tensor(
+                [float(interrupted), float(late and self.rank == 0)],
+                device=self.device)).tolist()
+            interrupted, late = flags[0] > 0, flags[1] > 0
+        return "interrupted" if interrupted else "max_minutes" if late else None
+
+    def read_window(self) -> tuple[float, float, float]:
+        """Loss and NLL sums since the last log (all processes) and the last gradient
+        norm, read from the device: the loop's one host sync, every `log_every` steps.
+        A step that went non-finite (its update was skipped) is a `TrainingError`."""
+        loss, nll = all_sum(self.window[:2].clone()).tolist()
+        bad, first, first_loss, first_norm, grad_norm = torch.cat(
+            [self.window[2:], self.grad_norm.double()[None]]).tolist()
+        if bad:
+            what, value = (("loss", first_loss) if not math.isfinite(first_loss)
+                           else ("gradient norm", first_norm))
+            where = (f"; the last good checkpoint is {self.out / 'last.pt'} "
+                     f"(step {self.saved_step})"
+                     if self.out is not None and self.saved_step is not None else "")
+            raise TrainingError(f"the {what} became {value} at step {int(first)}; "
+                                f"its update was skipped, as were {int(bad) - 1} "
+                                f"later ones{where}. Lower lr_scale or raise warmup.")
+        return loss, nll, grad_norm
+
+    def log_train(self, lr: float, bar) -> None:
+        loss, nll, grad_norm = self.read_window()
+        tokens = self.at["tokens"] - self.window_start[0]
+        now = time.perf_counter()
+        speed = tokens / max(now - self.window_start[1], 1e-9)
+        self.log({"kind": "train", "step": self.at["step"], "epoch": self.at["epoch"],
+                  "loss": loss / tokens, "nll": nll / tokens, "lr": lr,
+                  "grad_norm": grad_norm, "tokens": self.at["tokens"],
+                  "seconds": self.clock(), "tokens_per_second": speed})
+        bar.set_postfix(loss=f"{loss / tokens:.3f}", lr=f"{lr:.1e}",
+                        tok_s=f"{speed:,.0f}", refresh=False)
+        self.window.zero_()
+        self.window_start = (self.at["tokens"], now)
+
+    def evaluate(self) -> None:
+        """Validation loss, and the metrics of `on_eval`, on every process; `best.pt`
+        when the model improved. Its time counts as evaluation, not training."""
+        start = time.perf_counter()
+        if self.val_examples:
+            c = self.config
+            record = {"kind": "eval", "step": self.at["step"],
+                      "epoch": self.at["epoch"],
+                      **evaluate_loss(self.model, self.val_examples,
+                                      c.batch_tokens // self.pieces, c.label_smoothing,
+                                      self.eval_precision)}
+            if self.on_eval is not None:
+                self.model.eval()
+                with self.eval_precision.autocast():
+                    record.update(self.on_eval(self.model, self.at["step"]))
+            metric = "bleu" if "bleu" in record else "val_loss"
+            value, best = record[metric], self.best
+            if best is None or (value > best["value"] if metric == "bleu"
+                                else value < best["value"]):
+                self.best = {"metric": metric, "value": value, "step": self.at["step"]}
+                self.save("best.pt")
+            self.log({**record, "seconds": self.clock()})
+        self.at["seconds"] = self.clock()
+        spent = time.perf_counter() - start
+        self.at["eval_seconds"] += spent
+        self.window_start = (self.window_start[0], self.window_start[1] + spent)
+
+    def save(self, name: str) -> None:
+        "The whole state as `name` (`last.pt`, `best.pt`), written by process 0."
+        self.at["seconds"] = self.clock()
+        if self.out is not None and self.rank == 0:
+            save_checkpoint(self.out / name, self.model, self.optimizer, self.config,
+                            {**self.at, "best": self.best}, self.run_facts)
         if name == "last.pt":
-            saved_step = at["step"]
+            self.saved_step = self.at["step"]
 
-    steps = epoch_batches(train_examples, config.batch_tokens, config.seed, at["epoch"],
-                          pieces)
-    if not steps:
-        raise ValueError(f"batch_tokens={config.batch_tokens} gives no full step "
-                         f"from {len(train_examples)} "
-                         f"examples in {pieces} pieces; "
-                         "lower accum_steps or use more data")
-    session_start, seconds_before = time.perf_counter(), at["seconds"]
-    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": session_start}
-    bar = tqdm(total=config.max_steps, initial=at["step"], unit="step",
-               dynamic_ncols=True, disable=not progress or rank != 0, file=sys.stderr)
-    stopped = "max_steps"
-    try:
-        with _StopRequest() as ctrl_c:
-            while at["step"] < config.max_steps:
-                if at["batch"] >= len(steps):
-                    at["epoch"], at["batch"] = at["epoch"] + 1, 0
-                    steps = epoch_batches(train_examples, config.batch_tokens,
-                                          config.seed, at["epoch"], pieces)
-                step_pieces = steps[at["batch"]]
-                at["batch"] += 1
-                n = sum(len(train_examples[i][1]) - 1
-                        for piece in step_pieces for i in piece)
-                # dropout of this step
-                torch.manual_seed(config.seed * 1_000_003 + at["step"] * 1_009 + rank)
-                model.train()
-                sums = torch.zeros(3, dtype=torch.float64, device=device)
-                mine = my_pieces(step_pieces, rank, world_size)
-                for j, piece in enumerate(mine):
-                    src, tgt = collate(train_examples, piece, device)
-                    last = j == len(mine) - 1
-                    with nullcontext() if ddp is None or last else ddp.no_sync():
-                        with torch.autocast(device.type, dtype=torch.bfloat16,
-                                            enabled=use_amp):
-                            loss, nll = net(src, tgt)
-                        (loss * (world_size / n)).backward()
-                    sums[0] += loss.detach()
-                    sums[1] += nll.detach()
-                seconds = seconds_before + time.perf_counter() - session_start
-                out_of_time = (config.max_minutes is not None
-                               and seconds >= 60 * config.max_minutes)
-                sums[2] = (2.0 * ctrl_c.requested
-                           + (1.0 if rank == 0 and out_of_time else 0.0))
-                if world_size > 1:
-                    dist.all_reduce(sums)
-                loss_sum, nll_sum, flag = sums.tolist()
-                lr = rate(at["step"] + 1, model.config.d_model, config.warmup,
-                          config.lr_scale)
-                set_rate(optimizer, lr)
-                grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(),
-                                                           config.clip_norm or math.inf)
-                if not (math.isfinite(loss_sum) and math.isfinite(grad_norm)):
-                    optimizer.zero_grad(set_to_none=True)
-                    where = (f"; the last good checkpoint is {out / 'last.pt'} "
-                             f"(step {saved_step})"
-                             if out is not None and saved_step is not None else "")
-                    bad = (loss_sum / n if not math.isfinite(loss_sum)
-                           else float(grad_norm))
-                    what = "loss" if not math.isfinite(loss_sum) else "gradient norm"
-                    raise TrainingError(f"the {what} became {bad} "
-                                        f"at step {at['step'] + 1}; stopped before "
-                                        f"updating the weights{where}. "
-                                        "Lower lr_scale or raise warmup.")
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                at["step"] += 1
-                at["tokens"] += n
-                at["seconds"] = seconds_before + time.perf_counter() - session_start
-                window["loss"] += loss_sum; window["nll"] += nll_sum
-                window["tokens"] += n
-                if flag >= 2:
-                    stopped = "interrupted"
-                elif flag >= 1:
-                    stopped = "max_minutes"
-                done = at["step"] >= config.max_steps or flag >= 1
-                if at["step"] % config.log_every == 0 or done:
-                    now = time.perf_counter()
-                    rate_now = window["tokens"] / max(now - window["time"], 1e-9)
-                    log({"kind": "train", "step": at["step"], "epoch": at["epoch"],
-                         "loss": window["loss"] / window["tokens"],
-                         "nll": window["nll"] / window["tokens"],
-                         "lr": lr, "grad_norm": float(grad_norm),
-                         "tokens": at["tokens"],
-                         "seconds": at["seconds"], "tokens_per_second": rate_now})
-                    bar.set_postfix(loss=f"{window['loss'] / window['tokens']:.3f}",
-                                    lr=f"{lr:.1e}", tok_s=f"{rate_now:,.0f}",
-                                    refresh=False)
-                    window = {"loss": 0.0, "nll": 0.0, "tokens": 0, "time": now}
-                bar.update(1)
-                snapshot = (at["step"] % (config.snapshot_every or config.eval_every)
-                            == 0 or done)
-                if (config.keep_checkpoints and snapshot and out is not None
-                        and rank == 0):
-                    save_checkpoint(out / f"step-{at['step']:07d}.pt", model,
-                                    progress={"step": at["step"]}, run=run)
-                    for old in sorted(out.glob("step-*.pt"))[:-config.keep_checkpoints]:
-                        old.unlink()
-                if ((at["step"] % config.eval_every == 0 or done)
-                        and stopped != "interrupted"):
-                    eval_start = time.perf_counter()
-                    if rank == 0 and val_examples:
-                        record = {"kind": "eval", "step": at["step"],
-                                  "epoch": at["epoch"],
-                                  **evaluate_loss(
-                                      model, val_examples,
-                                      config.batch_tokens // config.accum_steps,
-                                      config.label_smoothing)}
-                        if on_eval is not None:
-                            model.eval()
-                            record.update(on_eval(model, at["step"]))
-                        metric = "bleu" if "bleu" in record else "val_loss"
-                        value = record[metric]
-                        if best is None or (value > best["value"] if metric == "bleu"
-                                            else value < best["value"]):
-                            best = {"metric": metric, "value": value,
-                                    "step": at["step"]}
-                            save("best.pt")
-                        log({**record, "seconds": seconds_before + time.perf_counter()
-                             - session_start})
-                    at["seconds"] = (seconds_before + time.perf_counter()
-                                     - session_start)
-                    at["eval_seconds"] += time.perf_counter() - eval_start
-                    save("last.pt")
-                    if world_size > 1:
-                        dist.barrier()
-                    # tokens/s counts training only
-                    window["time"] += time.perf_counter() - eval_start
-                elif done:
-                    save("last.pt")
-                if done:
-                    break
-    finally:
-        bar.close()
-    return TrainResult(step=at["step"], epoch=at["epoch"],
-                       epochs=at["epoch"] + at["batch"] / len(steps),
-                       stopped=stopped, train_seconds=at["seconds"],
-                       eval_seconds=at["eval_seconds"], tokens=at["tokens"], best=best,
-                       history=history, signal=ctrl_c.signum)
+    def snapshot(self) -> None:
+        "The weights alone as `step-NNNNNNN.pt`, keeping the last `keep_checkpoints`."
+        if self.out is None or self.rank != 0:
+            return
+        save_checkpoint(self.out / f"step-{self.at['step']:07d}.pt", self.model,
+                        progress={"step": self.at["step"]}, run=self.run_facts)
+        for old in sorted(self.out.glob("step-*.pt"))[:-self.config.keep_checkpoints]:
+            old.unlink()
+
+    def log(self, record: dict) -> None:
+        record = _round(record)
+        self.history.append(record)
+        if self.out is not None and self.rank == 0:
+            with open(self.out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
 
 # %% ../book/08_training.ipynb #c036b
 def average_checkpoints(paths) -> dict:
@@ -973,3 +686,22 @@ def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
         return smoothed_cross_entropy(logits, target, epsilon)
     rows = max(1, 2**20 // logits.size(-1))  # about 4 MB of float32 per block
     return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
+
+
+def cross_entropy_sums(logits: torch.Tensor, target: torch.Tensor,
+                       epsilon: float = 0.1, pad_id: int = PAD
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`label_smoothed_nll` for GPUs and `torch.compile`: (loss sum, NLL sum) over the
+    non-pad positions of logits (..., V) and target (...), the loss from one
+    `F.cross_entropy` with `label_smoothing` (a fused kernel on CUDA), the NLL from the
+    log-sum-exp without gradient. No boolean indexing: no host sync, no graph break."""
+    V = logits.size(-1)
+    z = logits.reshape(-1, V)                                        # (n, V)
+    if z.dtype in (torch.bfloat16, torch.float16):
+        z = z.float()                        # as autocast does for a loss: float32
+    y = target.reshape(-1)                                           # (n,)
+    loss = F.cross_entropy(z, y, ignore_index=pad_id, label_smoothing=epsilon,
+                           reduction="sum")
+    z = z.detach()
+    nll = torch.logsumexp(z, -1) - z.gather(-1, y[:, None]).squeeze(-1)   # (n,)
+    return loss, (nll * (y != pad_id)).sum()
