@@ -88,3 +88,45 @@ def test_evaluate_and_callback_on_a_model():
     assert set(out) == {"bleu", "bleu_lc_tok", "chrf"} and out["bleu"] == pytest.approx(s["bleu"])
     with pytest.raises(ValueError, match="no \\(source, reference\\) pairs"):
         evaluate(model, tokenizer, [])
+
+
+def _tiny_translation_setup():
+    texts = ["one two three", "four five", "six seven eight nine", "ten eleven", "two four six"]
+    tokenizer = Tokenizer.train(texts * 50, vocab_size=40)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=40, tgt_vocab=40, d_model=16, d_ff=32, h=2, n_layers=1,
+                                          dropout=0.0, max_len=64))
+    return tokenizer, model, [(t, t) for t in texts]
+
+
+def _sharded_callback_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+    import transformer.evaluation as ev
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        tokenizer, model, pairs = _tiny_translation_setup()
+        scored = []
+        real_score = ev.score
+        ev.score = lambda hyps, refs: (scored.append(list(hyps)), real_score(hyps, refs))[1]
+        out = ev.bleu_callback(tokenizer, pairs)(model, 1)
+        torch.save({"out": out, "hyps": scored}, f"{out_dir}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_path):
+    import socket
+    import torch.multiprocessing as mp
+    from transformer.decoding import translate
+    tokenizer, model, pairs = _tiny_translation_setup()
+    expected_hyps = translate(model, tokenizer, [s for s, _ in pairs])
+    expected = bleu_callback(tokenizer, pairs)(model, 1)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_sharded_callback_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["hyps"] == [expected_hyps]                      # every process scored every sentence, in order
+        assert got["out"] == pytest.approx(expected)

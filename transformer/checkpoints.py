@@ -37,8 +37,16 @@ class CheckpointError(ValueError):
     "A checkpoint file is missing, unreadable, or not a checkpoint of this package."
 
 
+def _unwrapped(module: nn.Module) -> nn.Module:
+    "The model inside `torch.compile`'s and DistributedDataParallel's wrappers."
+    while isinstance(getattr(module, "_orig_mod", getattr(module, "module", None)),
+                     nn.Module):
+        module = getattr(module, "_orig_mod", None) or module.module
+    return module
+
+
 def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in module.state_dict().items()}
+    return {k: v.detach() for k, v in _unwrapped(module).state_dict().items()}
 
 
 class SaveError(OSError):
@@ -107,6 +115,7 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer,
     atomically. `run` records facts about the files of the run the checkpoint belongs to
     (e.g. the tokenizer's sha256)."""
     path = Path(path)
+    model = _unwrapped(model)
     state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
              "model": _plain_state(model)}
     if optimizer is not None:

@@ -3,6 +3,7 @@
 # %% ../book/f_devices.ipynb #f011
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import signal
@@ -180,12 +181,14 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
 # %% ../book/f_devices.ipynb #f018
 def distributed(module: nn.Module, device: torch.device) -> DistributedDataParallel:
     """`module` in DistributedDataParallel: gradients averaged over processes during
-    backward. No buffers re-sent each step (`broadcast_buffers=False`): the model's only
-    buffer is the constant positional table."""
+    backward. No buffers re-sent each step (`forward_sync_buffers=False`, before torch
+    2.13 `broadcast_buffers=False`): the only buffer is the constant positional table."""
     device = torch.device(device)
+    # the flag's new name (torch 2.13), else its old one
+    new = "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
     return DistributedDataParallel(
         module, device_ids=[device.index] if device.type == "cuda" else None,
-        broadcast_buffers=False)
+        **{"forward_sync_buffers" if new else "broadcast_buffers": False})
 
 
 def all_sum(tensor: torch.Tensor) -> torch.Tensor:

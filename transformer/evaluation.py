@@ -11,6 +11,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from .tokens import Tokenizer
 from .model import Transformer
 from .decoding import translate
+from .devices import world
 
 # %% auto #0
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']
@@ -79,11 +80,24 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
                   beam_size: int = 1, alpha: float = 0.6
                   ) -> Callable[[Transformer, int], dict]:
     """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
-    chrf on `pairs`."""
+    chrf on `pairs`. With several processes (DDP) each translates a share, and every
+    process scores them all (appendix F): none waits for another to translate."""
     pairs = list(pairs)
 
     def on_eval(model: Transformer, step: int) -> dict:
-        s = evaluate(model, tokenizer, pairs, beam_size=beam_size, alpha=alpha)
+        rank, world_size = world()
+        if world_size == 1:
+            s = evaluate(model, tokenizer, pairs, beam_size=beam_size, alpha=alpha)
+        else:
+            import torch.distributed as dist
+            sources = [src for src, _ in pairs[rank::world_size]]
+            mine = translate(model, tokenizer, sources, beam_size, alpha)
+            shares = [None] * world_size
+            dist.all_gather_object(shares, mine)    # rank r: pairs[r::world_size]
+            hyps = [""] * len(pairs)
+            for r, share in enumerate(shares):
+                hyps[r::world_size] = share
+            s = score(hyps, [ref for _, ref in pairs])
         return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
 
     return on_eval

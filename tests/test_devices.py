@@ -1,0 +1,104 @@
+"""Appendix F, devices.py: precision, the step skipped on the device, batches made ahead of time."""
+import threading
+import time
+import warnings
+
+import pytest
+import torch
+
+from transformer.devices import Precision, all_sum, choose_precision, prefetch, world
+
+
+def test_choose_precision_on_each_kind_of_device(monkeypatch):
+    assert choose_precision("cpu").dtype is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert choose_precision("cpu", cpu_bf16=True).dtype == torch.bfloat16
+    assert choose_precision("cpu", amp=True).scaler is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    bf16 = choose_precision("cuda")
+    assert bf16.dtype == torch.bfloat16 and bf16.scaler is None
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")            # GradScaler warns when no GPU is there
+        fp16 = choose_precision("cuda")
+    assert fp16.dtype == torch.float16 and isinstance(fp16.scaler, torch.amp.GradScaler)
+    assert choose_precision("cuda", amp=False).dtype is None
+
+
+def test_a_cpu_without_bf16_units_is_warned(monkeypatch):
+    import transformer.devices as devices
+    monkeypatch.setattr(devices, "cpu_has_bf16_units", lambda: False)
+    with pytest.warns(UserWarning, match="without bf16 instructions"):
+        choose_precision("cpu", cpu_bf16=True)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_precision_step_skips_a_flagged_update_on_the_device(fused):
+    p = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.Adam([p], lr=0.1, fused=fused or None)
+    precision = Precision("cpu")
+    p.grad = torch.tensor([1.0, 2.0, float("nan")])
+    precision.step(opt, torch.tensor(1.0))                        # flagged: nothing changes
+    assert torch.equal(p.detach(), torch.ones(3))
+    assert not hasattr(opt, "found_inf")
+    p.grad = torch.tensor([1.0, 2.0, 3.0])
+    precision.step(opt, torch.tensor(0.0))                        # not flagged: an Adam step
+    assert torch.allclose(p.detach(), torch.full((3,), 0.9))
+    assert float(opt.state[p]["step"]) == 1.0                      # the skipped step did not count
+
+
+def test_autocast_context_follows_the_precision():
+    x = torch.randn(4, 4)
+    with Precision("cpu", torch.bfloat16).autocast():
+        assert (x @ x).dtype == torch.bfloat16
+    with Precision("cpu").autocast():
+        assert (x @ x).dtype == torch.float32
+
+
+def make(item):
+    return torch.tensor(item), torch.tensor(item) * 10
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_prefetch_yields_every_item_in_order(threaded):
+    items = [[i, i + 1] for i in range(20)]
+    got = list(prefetch(items, make, "cpu", threaded=threaded))
+    assert [i for i, _ in got] == items
+    assert all(torch.equal(t[1], torch.tensor(i) * 10) for i, t in got)
+
+
+def test_prefetch_runs_ahead_in_a_thread_and_stops_when_closed():
+    made = []
+
+    def slow(item):
+        made.append(item)
+        return (torch.tensor([item]),)
+
+    batches = prefetch(iter(range(1000)), slow, "cpu", depth=2, threaded=True)
+    assert next(batches)[0] == 0
+    deadline = time.monotonic() + 5
+    while len(made) < 3 and time.monotonic() < deadline:         # it works ahead of the consumer
+        time.sleep(0.01)
+    assert len(made) >= 3
+    batches.close()                                               # the loop ended early
+    assert not any(t.name == "prefetch" for t in threading.enumerate())
+    assert len(made) < 10                                         # at most depth ahead, never the rest
+
+
+def test_prefetch_raises_an_error_of_make_in_the_consumer():
+    def broken(item):
+        if item == 2:
+            raise ValueError("bad item 2")
+        return (torch.tensor([item]),)
+
+    batches = prefetch(range(5), broken, "cpu", threaded=True)
+    assert [int(t[0]) for _, t in (next(batches), next(batches))] == [0, 1]
+    with pytest.raises(ValueError, match="bad item 2"):
+        next(batches)
+
+
+def test_all_sum_is_the_identity_in_one_process():
+    assert world() == (0, 1)
+    t = torch.tensor([1.0, 2.0])
+    assert all_sum(t) is t and t.tolist() == [1.0, 2.0]

@@ -1,0 +1,154 @@
+"""The CUDA path: runs where torch sees a GPU, skips elsewhere (CI has none).
+
+What each test proves on a GPU: a training step in bf16 and in float16 (with its GradScaler) that
+never waits for the device (CUDA's sync debug mode turns any host sync into an error), the step
+compiled by inductor into a bounded number of graphs, NCCL DDP against one process (two GPUs or
+more), decoding on the device equal to the CPU's, and the benchmark with its MFU. README says
+where these last ran."""
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, EOS
+from transformer.training import TrainConfig, _Loop, collate, train
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = torch.device("cuda")
+
+
+def copy_examples(n, vocab=32, lo=3, hi=12, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+        out.append((x + [EOS], [BOS] + x + [EOS]))
+    return out
+
+
+def config(**kw):
+    return TransformerConfig(**{**dict(src_vocab=32, tgt_vocab=32, d_model=64, d_ff=128, h=4, n_layers=2,
+                                       dropout=0.1, max_len=64), **kw})
+
+
+def quick(**kw):
+    return TrainConfig(**{**dict(batch_tokens=600, max_steps=30, warmup=20, eval_every=15, log_every=5), **kw})
+
+
+def steps_without_sync(loop, n):
+    "Run n steps of the loop with CUDA's sync debug mode set to error: any host sync raises."
+    batches = iter(loop.schedule())
+    items = [next(batches) for _ in range(n)]
+    tensors = [[t.pin_memory().to(CUDA, non_blocking=True) for t in loop.tensors(item)] for item in items]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for item, ts in zip(items, tensors):
+            loop.step(ts, item[-1])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return loop.read_window()
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_step_never_waits_for_the_gpu(monkeypatch, bf16):
+    if not bf16:                                  # a GPU without bf16: float16 and a GradScaler
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    torch.manual_seed(0)
+    model = Transformer(config()).to(CUDA)
+    loop = _Loop(model, copy_examples(400), None, quick(), None, None, False, None)
+    assert loop.precision.dtype == (torch.bfloat16 if bf16 else torch.float16)
+    assert (loop.precision.scaler is None) == bf16
+    loss, nll, grad_norm = steps_without_sync(loop, 6)
+    assert loss > 0 and nll > 0 and grad_norm > 0
+    assert loop.at["step"] == 6
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_training_learns_on_the_gpu(monkeypatch, bf16, tmp_path):
+    if not bf16:
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    torch.manual_seed(0)
+    model = Transformer(config(dropout=0.0)).to(CUDA)
+    result = train(model, copy_examples(800), copy_examples(40, seed=1), quick(max_steps=120, eval_every=60),
+                   out_dir=tmp_path, progress=False)
+    losses = [r["loss"] for r in result.history if r["kind"] == "train"]
+    assert losses[-1] < 0.5 * losses[0]
+    assert (tmp_path / "last.pt").exists() and (tmp_path / "best.pt").exists()
+
+
+def test_compiled_step_on_the_gpu_one_graph_for_many_shapes(tmp_path):
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = Transformer(config()).to(CUDA)
+    result = train(model, copy_examples(400), None, quick(max_steps=12, compile=True), out_dir=tmp_path,
+                   progress=False)
+    assert result.step == 12
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+
+
+def test_decoding_on_the_gpu_matches_the_cpu():
+    from transformer.decoding import beam_search, greedy_search
+    torch.manual_seed(0)
+    model = Transformer(config(dropout=0.0)).eval()
+    src, _ = collate(copy_examples(8, seed=2), list(range(8)))
+    with torch.no_grad():
+        cpu_logits = model(src, src)
+        gpu = model.to(CUDA)
+        gpu_logits = gpu(src.to(CUDA), src.to(CUDA)).cpu()
+    torch.testing.assert_close(gpu_logits, cpu_logits, atol=2e-2, rtol=0)   # TF32 may be on
+    assert len(greedy_search(gpu, src.to(CUDA))) == 8
+    assert len(beam_search(gpu, src.to(CUDA), beam_size=4)) == 8
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _nccl_worker(rank, world_size, port, out_dir):
+    import torch.distributed as dist
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.manual_seed(0)
+        model = Transformer(config(dropout=0.0)).to(f"cuda:{rank}")
+        result = train(model, copy_examples(300), copy_examples(20, seed=3),
+                       quick(max_steps=6, batch_tokens=800, eval_every=6, log_every=1, amp=False),
+                       out_dir=out_dir, progress=False)
+        torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL DDP needs two GPUs or more")
+def test_nccl_ddp_matches_one_process(tmp_path):
+    torch.manual_seed(0)
+    single = Transformer(config(dropout=0.0)).to(CUDA)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    one = train(single, copy_examples(300), copy_examples(20, seed=3),
+                quick(max_steps=6, batch_tokens=800, eval_every=6, log_every=1, accum_steps=2, amp=False),
+                out_dir=tmp_path / "one", progress=False)
+    (tmp_path / "two").mkdir()
+    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    expected = [r["loss"] for r in one.history if r["kind"] == "train"]
+    for rank in range(2):
+        assert torch.load(tmp_path / "two" / f"losses{rank}.pt") == pytest.approx(expected, rel=1e-3)
+
+
+@pytest.mark.skipif(not os.environ.get("TRANSFORMER_DATA"), reason="the benchmark reads Multi30k")
+def test_bench_on_the_gpu_reports_tokens_per_second_and_mfu():
+    from transformer.bench import run_bench
+    result = run_bench(preset="small", device="cuda", repeats=2, n_batches=2, vocab_size=2000,
+                       decode_sentences=8, warmup=1)
+    assert result["device"] == "cuda"
+    assert result["train"]["ours_tokens_per_s"] and result["train"]["nn_tokens_per_s"]
+    mfu = result["flops"]["mfu"]
+    assert mfu is None or all(0 < v < 1 for v in mfu.values()), mfu
+    print(result["device_name"], result["train"], result["flops"])
