@@ -170,15 +170,15 @@ def test_browser_search_order(monkeypatch):
 
 
 def _number(stem: str) -> str:
-    "The number a notebook's file name gives its title: 07_1_model -> '7.1', 10_evaluation -> '10', a_data -> 'A'."
+    """The number a notebook's file name gives its title: 07_1_model -> '7.1', 10_evaluation -> '10',
+    a_data -> 'A', b_1_plots -> 'B.1'."""
     parts = stem.split("_")
-    if parts[0].isdigit():
-        return ".".join([str(int(parts[0]))] + ([parts[1]] if parts[1].isdigit() else []))
-    return parts[0].upper()
+    first = str(int(parts[0])) if parts[0].isdigit() else parts[0].upper()
+    return ".".join([first] + ([parts[1]] if parts[1].isdigit() else []))
 
 
 def test_titles_numbers_and_toc_agree():
-    "One number per main-line chapter, its section N.1 nested under it, appendices A-D at the end; no 1a/8d."
+    "One number per main-line chapter, its section N.1 nested under it (B.1 under appendix B), appendices at the end; no 1a/8d."
     sections = {s["file"]: c["file"] for part in TOC["parts"] for c in part["chapters"] for s in c.get("sections", [])}
     for chapter in CHAPTERS:
         stem = chapter.split("/")[-1]
@@ -194,7 +194,7 @@ def test_titles_numbers_and_toc_agree():
     numbers = [_number(c.split("/")[-1]) for c in CHAPTERS]
     main = [n for n in numbers if n[0].isdigit() and "." not in n]
     assert main == sorted(main, key=int) and len(set(main)) == len(main), main
-    appendices = [n for n in numbers if n.isalpha()]
+    appendices = [n for n in numbers if n[0].isalpha()]   # with their sections: A, B, B.1, C
     assert numbers[-len(appendices):] == sorted(appendices), "appendices come last, in order"
     index = (ROOT / "book" / "index.md").read_text()
     for chapter in CHAPTERS:

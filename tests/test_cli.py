@@ -186,7 +186,7 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
-    ("no command", [], 2, "required: {train,translate,evaluate,export,bench}"),
+    ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),
     ("same languages", ["train", "--src", "de", "--tgt", "de"], 1, "both 'de'"),

@@ -1,7 +1,8 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), built chapter by chapter.
 
 Hand-written (the rest of the package is generated from book/ by nbdev-export): the public API,
-each name from the chapter that builds it. Figures live in `transformer.viz` (imports altair).
+each name from the chapter that builds it. Figures live in `transformer.viz` (imports altair) and
+`transformer.plots` (matplotlib images of runs and models).
 """
 __version__ = "0.1.0"
 

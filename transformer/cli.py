@@ -37,7 +37,8 @@ from .decoding import translate
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'CLIError', 'build_parser', 'keep_freed_memory',
-           'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'main']
+           'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot',
+           'cmd_attend', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -86,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m transformer",
                      description="Train, use and score the Transformer of "
                                  "'Attention Is All You Need'.")
-    sub = parser.add_subparsers(dest="command", required=True,
-                                metavar="{train,translate,evaluate,export,bench}")
+    sub = parser.add_subparsers(
+        dest="command", required=True,
+        metavar="{train,translate,evaluate,export,plot,attend,bench}")
 
     t = sub.add_parser("train",
                        help="train a model on Multi30k (CPU, GPU, or several with "
@@ -220,6 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
     x.set_defaults(run=cmd_export)
+    _add_figure_commands(sub)       # plot, attend: below
     # `bench` lives in appendix D (transformer.bench), which this module may not
     # import; `python -m transformer` hands it over before this parser runs. Listed
     # here so that --help names every command.
@@ -845,6 +848,114 @@ def cmd_export(args) -> int:
           f"{'float16' if args.half else 'float32'} weights ({size / 2**20:.1f} "
           f"MiB, sha256 {weights_sha256[:12]}…), tokenizer.model, "
           "config.json, results.json")
+    return 0
+
+# %% ../book/c_commands.ipynb #c011b
+def _add_figure_commands(sub) -> None:
+    "The parsers of `plot` and `attend` (build_parser calls this)."
+    p = sub.add_parser("plot", help="draw the learning curves of runs as an image",
+                       description="Draw the learning curves of one or more run "
+                                   "directories (their metrics.jsonl), overlaid: "
+                                   "training and validation loss, validation BLEU "
+                                   "by step and by wall-clock time, the learning "
+                                   "rate (appendix B.1).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories written by train")
+    p.add_argument("--out", metavar="FILE", default="curves.png",
+                   help="the image; its extension names the format: .png, .svg or "
+                        ".pdf (default: curves.png)")
+    p.set_defaults(run=cmd_plot)
+    a = sub.add_parser("attend", help="draw what a model's heads attend to in a "
+                                      "sentence",
+                       description="Translate one sentence, then draw the attention "
+                                   "weights of one kind, every layer and head or "
+                                   "the ones named, with the subword pieces on the "
+                                   "axes (appendix B.1).")
+    a.add_argument("text", metavar="SENTENCE", help="the source sentence")
+    a.add_argument("--model", metavar="DIR", required=True,
+                   help="a run directory written by train, or a model directory "
+                        "written by export")
+    a.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
+                   default="chosen", help="which weights (default: chosen)")
+    a.add_argument("--kind", choices=["cross", "encoder", "decoder"], default="cross",
+                   help="cross-attention, or the encoder's or the decoder's "
+                        "self-attention (default: cross)")
+    a.add_argument("--layer", type=_positive(int), metavar="L",
+                   help="one layer, counted from 1 (default: all)")
+    a.add_argument("--head", type=_positive(int), metavar="H",
+                   help="one head, counted from 1 (default: all)")
+    a.add_argument("--beam", type=_positive(int), default=1, metavar="K",
+                   help="beam size of the translation (default: 1 = greedy)")
+    a.add_argument("--out", metavar="FILE",
+                   help="the image: .png, .svg or .pdf (default: "
+                        "attention-KIND[-layerL][-headH].png)")
+    a.set_defaults(run=cmd_attend)
+
+
+def _plots():
+    "transformer.plots (appendix B.1), imported when a figure is asked for."
+    try:
+        from transformer import plots
+    except ImportError as e:
+        raise CLIError(f"plot and attend need matplotlib ({e}); pip install "
+                       "matplotlib") from None
+    return plots
+
+
+def _image_out(out: str) -> Path:
+    "Check --out before any work: an image extension, in a directory we can write."
+    path = Path(out)
+    if path.is_dir():
+        raise CLIError(f"--out {path} is a directory; name an image file in it, "
+                       f"e.g. {path / 'figure.png'}")
+    try:
+        _plots().image_format(path)
+    except ValueError as e:
+        raise CLIError(f"--out {e}") from None
+    if not path.parent.is_dir():
+        raise CLIError(f"--out {path}: there is no directory {path.parent}; create "
+                       "it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists()
+                                               and not os.access(path, os.W_OK)):
+        raise CLIError(f"--out {path}: cannot write there; pick a writable place")
+    return path
+
+
+def _save(fig, path: Path) -> None:
+    try:
+        _plots().save_figure(fig, path)
+    except OSError as e:
+        raise CLIError(f"--out {path}: could not write it "
+                       f"({(e.strerror or str(e)).lower()})") from None
+
+
+def cmd_plot(args) -> int:
+    plots = _plots()
+    out = _image_out(args.out)
+    runs = plots.read_runs(args.runs)
+    _save(plots.learning_curves(runs), out)
+    print(f"wrote {out}: learning curves of {', '.join(runs)}")
+    return 0
+
+
+def cmd_attend(args) -> int:
+    plots = _plots()
+    if not args.text.strip():
+        raise CLIError("no sentence: pass the sentence to translate, in quotes")
+    name = "-".join(["attention", args.kind]
+                    + [f"{what}{n}" for what, n in (("layer", args.layer),
+                                                    ("head", args.head)) if n])
+    out = _image_out(args.out or f"{name}.png")
+    model, tokenizer, _ = load_run(args.model, args.checkpoint)
+    for what, n, have in (("layer", args.layer, model.config.n_layers),
+                          ("head", args.head, model.config.h)):
+        if n is not None and n > have:
+            raise CLIError(f"--{what} {n}: the model has {have} {what}s; pass 1 to "
+                           f"{have}")
+    weights = plots.attention_weights(model, tokenizer, args.text, args.beam)
+    _save(plots.attention_maps(weights, args.kind, args.layer, args.head), out)
+    print(f"wrote {out}: {plots.KINDS[args.kind]} of {weights.sentence!r} -> "
+          f"{weights.translation!r}")
     return 0
 
 # %% ../book/c_commands.ipynb #c013
