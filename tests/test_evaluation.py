@@ -130,3 +130,28 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["hyps"] == [expected_hyps]                      # every process scored every sentence, in order
         assert got["out"] == pytest.approx(expected)
+
+
+def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
+    from transformer.evaluation import final_evaluation
+    from transformer.training import load_checkpoint, save_checkpoint
+    tokenizer, model, pairs = _tiny_translation_setup()
+    save_checkpoint(tmp_path / "best.pt", model)
+    for step in (1, 2, 3):
+        torch.manual_seed(step)
+        other = Transformer(model.config)
+        save_checkpoint(tmp_path / f"step-{step:07d}.pt", other, progress={"step": step})
+    final = final_evaluation(tmp_path, tokenizer, pairs[:3], pairs[3:], beam_size=2, average=2,
+                             run={"tokenizer_sha256": "abc"})
+    assert final["averaged"] == ["step-0000002.pt", "step-0000003.pt"]    # the last `average` snapshots
+    saved = load_checkpoint(tmp_path / "averaged.pt")
+    assert saved["run"] == {"tokenizer_sha256": "abc"}
+    assert set(final["val_by_checkpoint"]) == {"best", "averaged"}
+    chosen = final["checkpoint"]
+    assert final["val"] == final["val_by_checkpoint"][chosen]
+    assert max(s["bleu"] for s in final["val_by_checkpoint"].values()) == final["val"]["bleu"]
+    expected_test = evaluate(final["model"], tokenizer, pairs[3:], beam_size=2)
+    assert final["test"]["bleu"] == pytest.approx(expected_test["bleu"])
+    assert final["greedy"]["bleu"] == pytest.approx(evaluate(final["model"], tokenizer, pairs[3:])["bleu"])
+    with pytest.raises(ValueError, match="holds no best.pt and no model was given"):
+        final_evaluation(tmp_path / "empty", tokenizer, pairs)

@@ -28,7 +28,8 @@ from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
 from .training import Seq2SeqLoss, atomic_write, cpu_has_bf16_units
-from .cli import _provenance, keep_freed_memory
+from .devices import fast_matmul
+from .cli import keep_freed_memory, provenance
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a
 # prototype: not our concern
@@ -315,7 +316,7 @@ def environment(device: torch.device) -> dict:
     """Where a benchmark ran: the provenance `train` records (appendix C: git commit and
     dirty flag, CPU, cores, threads, GPU, Python, torch, platform, start time), the
     device, and the machine's load when it started."""
-    where = _provenance()
+    where = provenance()
     return {**where, "device": device.type,
             "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else where["cpu"]),
@@ -343,6 +344,137 @@ def _median(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+class _Bench:
+    """The two models, their optimizers and losses, the batches, and the two timed
+    moves: a training step and a greedy decode."""
+
+    def __init__(self, preset, dev, data, decode_sentences, autocast, compile, seed):
+        self.dev, self.autocast, self.cuda = dev, autocast, dev.type == "cuda"
+        self.batches = [(s.to(dev), t.to(dev)) for s, t in data.batches]
+        # the first rows of every batch, all-pad columns dropped
+        per_batch = max(1, math.ceil(decode_sentences / len(self.batches)))
+        self.decode_srcs = []
+        for s, _ in self.batches:
+            rows = s[:per_batch]
+            self.decode_srcs.append(rows[:, : int((rows != PAD).sum(1).max())])
+        self.n_decode = sum(r.size(0) for r in self.decode_srcs)
+        torch.manual_seed(seed)
+        self.config = TransformerConfig.preset(preset, src_vocab=data.vocab_size,
+                                               tgt_vocab=data.vocab_size)
+        ours = Transformer(self.config)
+        self.models = {"ours": ours.to(dev),
+                       "nn": copy_weights(ours, TorchTransformer(self.config)).to(dev)}
+        self.optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4,
+                                               betas=(0.9, 0.98), eps=1e-9,
+                                               fused=self.cuda or None)
+                           for k, m in self.models.items()}
+        losses = {k: Seq2SeqLoss(m, 0.1) for k, m in self.models.items()}
+        self.losses = {k: (torch.compile(c) if compile else c)
+                       for k, c in losses.items()}
+        self.generated = {}
+
+    def timed(self, fn) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        t0 = time.perf_counter()
+        fn()
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        return time.perf_counter() - t0
+
+    def step(self, name: str, i: int) -> float:
+        "Seconds of one training step of model `name` on batch `i`."
+        model = self.models[name].train()
+        src, tgt = self.batches[i]
+        return self.timed(lambda: train_step(model, self.optimizers[name], src, tgt,
+                                             self.autocast, self.losses[name]))
+
+    def decode(self, name: str, i: int, cache: bool = False) -> float:
+        "Seconds of greedy decoding of the sources of batch `i`."
+        model, src = self.models[name].eval(), self.decode_srcs[i]
+
+        def run():
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16,
+                                enabled=self.autocast):
+                out = greedy_search(model, src, extra_len=DECODE_EXTRA, cache=cache)
+            key = name + (" cached" if cache else "")
+            self.generated[key] = (self.generated.get(key, 0)
+                                   + sum(len(ids) for ids in out))
+        # An untrained model may say EOS at once and time nothing: forbid EOS, so
+        # every sentence runs to its length limit (source length + DECODE_EXTRA),
+        # the same work in both models and in every round.
+        eos_logit = model.generator.bias[EOS].item()
+        with torch.no_grad():
+            model.generator.bias[EOS] = -1e4
+        try:
+            return self.timed(run)
+        finally:
+            with torch.no_grad():
+                model.generator.bias[EOS] = eos_logit
+
+    def warm_up(self, passes: int, compile: bool) -> None:
+        for name in self.models:
+            # at least one step of every shape (compile)
+            for _ in range(max(passes, 1)):
+                for i in range(len(self.batches) if (compile or passes) else 1):
+                    self.step(name, i)
+            self.decode(name, 0)
+        self.decode("ours", 0, cache=True)
+
+    def rounds(self, repeats: int, log) -> tuple[dict, dict, list]:
+        """Seconds per round of training, of decoding, and of ours with the k/v cache.
+        Interleaved at the finest grain, one step at a time, and who goes first
+        alternates, so that both models see the same machine (a busy neighbour slows
+        both, not one)."""
+        names = list(self.models)
+        train_s = {k: [0.0] * repeats for k in names}
+        decode_s = {k: [0.0] * repeats for k in names}
+        cached_s = [0.0] * repeats    # chapter 9's cache: nn.Transformer has none
+        for r in range(repeats):
+            self.generated.clear()
+            for i in range(len(self.batches)):
+                for name in (names if (r + i) % 2 == 0 else names[::-1]):
+                    train_s[name][r] += self.step(name, i)
+            for i in range(len(self.decode_srcs)):
+                for name in (names if (r + i) % 2 == 0 else names[::-1]):
+                    decode_s[name][r] += self.decode(name, i)
+                cached_s[r] += self.decode("ours", i, cache=True)
+            log(f"bench: repeat {r + 1}/{repeats}: "
+                f"train ours/nn {train_s['nn'][r] / train_s['ours'][r]:.2f}, "
+                f"decode ours/nn {decode_s['nn'][r] / decode_s['ours'][r]:.2f}")
+        return train_s, decode_s, cached_s
+
+    def memory(self) -> tuple[dict, dict]:
+        "Peak bytes of a training step on the biggest batch, and of a decode."
+        biggest = max(self.batches, key=lambda b: b[0].numel() + b[1].numel())
+        mem_train, mem_decode = {}, {}
+        for name, model in self.models.items():
+            model.train()
+            mem_train[name] = peak_memory(
+                lambda: train_step(model, self.optimizers[name], *biggest,
+                                   self.autocast, self.losses[name]), self.dev)
+            model.eval()
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16,
+                                enabled=self.autocast):
+                mem_decode[name] = peak_memory(
+                    lambda: greedy_search(model, self.decode_srcs[0],
+                                          extra_len=DECODE_EXTRA, cache=False),
+                    self.dev)
+        return mem_train, mem_decode
+
+
+def _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset) -> None:
+    for name, value in (("repeats", repeats), ("n_batches", n_batches),
+                        ("decode_sentences", decode_sentences)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an int >= 1")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup={warmup!r} must be an int >= 0")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; "
+                         f"known presets: {', '.join(PRESETS)}")
+
+
 def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
               n_batches: int = 2, max_tokens: int | None = None, vocab_size: int = 8000,
               decode_sentences: int = 32, compile: bool = False,
@@ -361,12 +493,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
     state. `keep_memory`: on CPU, call appendix C's `keep_freed_memory` as `train` does
     (process-wide: it stays on after the call). Returns a JSON-ready dict;
     `speedup_vs_nn` is the median training ratio."""
-    for name, value in (("repeats", repeats), ("n_batches", n_batches),
-                        ("decode_sentences", decode_sentences)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r} must be an int >= 0")
+    _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     threads_before = torch.get_num_threads()
     if threads is not None:
@@ -378,183 +505,80 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
         autocast = (cuda or cpu_has_bf16_units()) if bf16 is None else bool(bf16)
         # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast
         # for the rest
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
-        if preset not in PRESETS:
-            raise ValueError(f"unknown preset {preset!r}; "
-                             f"known presets: {', '.join(PRESETS)}")
+        fast_matmul(dev)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
         # as `train` does on CPU
         env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()
-
         log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} "
             "slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)
-        batches = [(s.to(dev), t.to(dev)) for s, t in data.batches]
-        # the first rows of every batch
-        per_batch = max(1, math.ceil(decode_sentences / n_batches))
-        decode_srcs = []
-        for s, _ in batches:
-            rows = s[:per_batch]
-            # drop all-pad columns
-            decode_srcs.append(rows[:, : int((rows != PAD).sum(1).max())])
-        n_decode = sum(r.size(0) for r in decode_srcs)
-
-        torch.manual_seed(seed)
-        config = TransformerConfig.preset(preset, src_vocab=data.vocab_size,
-                                          tgt_vocab=data.vocab_size)
-        ours = Transformer(config)
-        models = {"ours": ours.to(dev),
-                  "nn": copy_weights(ours, TorchTransformer(config)).to(dev)}
-        optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98),
-                                          eps=1e-9, fused=cuda or None)
-                      for k, m in models.items()}
-        losses = {k: Seq2SeqLoss(m, 0.1) for k, m in models.items()}
-        losses = {k: (torch.compile(c) if compile else c) for k, c in losses.items()}
-
-        def sync():
-            if cuda:
-                torch.cuda.synchronize(dev)
-
-        def timed(fn) -> float:
-            sync()
-            t0 = time.perf_counter()
-            fn()
-            sync()
-            return time.perf_counter() - t0
-
-        def step(name: str, i: int) -> float:
-            models[name].train()
-            src, tgt = batches[i]
-            return timed(lambda: train_step(models[name], optimizers[name], src, tgt,
-                                            autocast, losses[name]))
-
-        generated = {}
-
-        def decode(name: str, i: int, cache: bool = False) -> float:
-            model = models[name].eval()
-            src = decode_srcs[i]
-            def run():
-                with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                    out = greedy_search(model, src, extra_len=DECODE_EXTRA,
-                                        cache=cache)
-                key = name + (" cached" if cache else "")
-                generated[key] = generated.get(key, 0) + sum(len(ids) for ids in out)
-            # An untrained model may say EOS at once and time nothing: forbid EOS, so
-            # every sentence runs to its length limit (source length + DECODE_EXTRA),
-            # the same work in both models and in every round.
-            eos_logit = model.generator.bias[EOS].item()
-            with torch.no_grad():
-                model.generator.bias[EOS] = -1e4
-            try:
-                return timed(run)
-            finally:
-                with torch.no_grad():
-                    model.generator.bias[EOS] = eos_logit
-
+        b = _Bench(preset, dev, data, decode_sentences, autocast, compile, seed)
         log(f"bench: warm-up, {max(warmup, 1)} pass(es) over the batches per model"
             + (" (torch.compile)" if compile else ""))
-        for name in models:
-            # at least one step of every shape (compile)
-            for _ in range(max(warmup, 1)):
-                for i in range(len(batches) if (compile or warmup) else 1):
-                    step(name, i)
-            decode(name, 0)
-        decode("ours", 0, cache=True)
-
-        # Interleave at the finest grain, one step at a time, and alternate who goes
-        # first, so that both models see the same machine (a busy neighbour slows both,
-        # not one).
-        names = list(models)
-        train_s = {k: [0.0] * repeats for k in names}
-        decode_s = {k: [0.0] * repeats for k in names}
-        # ours with chapter 9's key/value cache (nn.Transformer has none)
-        cached_s = [0.0] * repeats
-        for r in range(repeats):
-            generated.clear()
-            for i in range(len(batches)):
-                for name in (names if (r + i) % 2 == 0 else names[::-1]):
-                    train_s[name][r] += step(name, i)
-            for i in range(len(decode_srcs)):
-                for name in (names if (r + i) % 2 == 0 else names[::-1]):
-                    decode_s[name][r] += decode(name, i)
-                cached_s[r] += decode("ours", i, cache=True)
-            log(f"bench: repeat {r + 1}/{repeats}: "
-                f"train ours/nn {train_s['nn'][r] / train_s['ours'][r]:.2f}, "
-                f"decode ours/nn {decode_s['nn'][r] / decode_s['ours'][r]:.2f}")
-        tokens = data.target_tokens
-        train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
-        decode_sps = {k: [n_decode / t for t in v] for k, v in decode_s.items()}
-        cached_sps = [n_decode / t for t in cached_s]
-
+        b.warm_up(warmup, compile)
+        seconds = b.rounds(repeats, log)
         log("bench: peak memory")
-        biggest = max(batches, key=lambda b: b[0].numel() + b[1].numel())
-        mem_train, mem_decode = {}, {}
-        for name, model in models.items():
-            model.train()
-            mem_train[name] = peak_memory(
-                lambda: train_step(model, optimizers[name], *biggest, autocast,
-                                   losses[name]), dev)
-            model.eval()
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=autocast):
-                mem_decode[name] = peak_memory(
-                    lambda: greedy_search(model, decode_srcs[0], extra_len=DECODE_EXTRA,
-                                          cache=False), dev)
-
-        flops = sum(train_flops(config, s.size(0), s.size(1), t.size(1) - 1)
-                    for s, t in batches)
-        tflops = {k: flops * _median(v) / tokens / 1e12 for k, v in train_tps.items()}
+        memory = b.memory()
         peak = (peak_tflops if peak_tflops is not None
                 else (assumed_peak_tflops(env["device_name"]) if cuda else None))
-        train_ratio = [a / b for a, b in zip(train_tps["ours"], train_tps["nn"])]
-        decode_ratio = [a / b for a, b in zip(decode_sps["ours"], decode_sps["nn"])]
-        return {
-            **env,
-            "preset": preset, "config": config.to_dict(), "compile": compile,
-            "bf16_autocast": autocast, "tf32": cuda,
-            "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size,
-                     "max_tokens": max_tokens,
-                     "batch_shapes": [[s.size(0), s.size(1), t.size(1)]
-                                      for s, t in batches],
-                     "target_tokens": tokens, "decode_sentences": n_decode},
-            "repeats": repeats, "warmup_passes": warmup,
-            "train": {"ours_tokens_per_s": train_tps["ours"],
-                      "nn_tokens_per_s": train_tps["nn"],
-                      "ratio": train_ratio, "median_ratio": _median(train_ratio)},
-            "decode": {"ours_sentences_per_s": decode_sps["ours"],
-                       "nn_sentences_per_s": decode_sps["nn"],
-                       "generated_tokens": generated, "ratio": decode_ratio,
-                       "median_ratio": _median(decode_ratio),
-                       "ours_cached_sentences_per_s": cached_sps,
-                       "cached_ratio": [a / b for a, b
-                                        in zip(cached_sps, decode_sps["nn"])],
-                       "cached_median_ratio": _median(
-                           [a / b for a, b in zip(cached_sps, decode_sps["nn"])])},
-            "memory": {"method": ("torch.cuda.max_memory_allocated" if cuda else
-                                  "torch.profiler allocation events "
-                                  "(profile_memory=True), peak of the running sum"),
-                       "train_peak_bytes": mem_train,
-                       "train_ratio": mem_train["ours"] / mem_train["nn"],
-                       "decode_peak_bytes": mem_decode,
-                       "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
-            "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"],
-                      "nn_tflops": tflops["nn"],
-                      "peak_tflops_assumed": peak,
-                      "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
-                      "note": "matmul FLOPs counted from the padded shapes; peak is an "
-                              "assumption from the vendor's dense bf16 figure for this "
-                              "device name" if peak else
-                              "matmul FLOPs counted from the padded shapes; no MFU "
-                              "(no assumed peak for this device)"},
-            "speedup_vs_nn": _median(train_ratio),
-            "wall_s": time.perf_counter() - started,
-        }
-
-
+        return {**env, "preset": preset, "compile": compile,
+                "bf16_autocast": autocast, "tf32": cuda,
+                **_bench_result(b, data, max_tokens, seconds, memory, peak),
+                "repeats": repeats, "warmup_passes": warmup,
+                "wall_s": time.perf_counter() - started}
     finally:
         torch.set_num_threads(threads_before)
+
+
+def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
+    "The measured part of `run_bench`'s result: speeds, ratios, memory, FLOPs, MFU."
+    (train_s, decode_s, cached_s), (mem_train, mem_decode) = seconds, memory
+    tokens, n_decode, generated = data.target_tokens, b.n_decode, b.generated
+    train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
+    decode_sps = {k: [n_decode / t for t in v] for k, v in decode_s.items()}
+    cached_sps = [n_decode / t for t in cached_s]
+    flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1)
+                for s, t in b.batches)
+    tflops = {k: flops * _median(v) / tokens / 1e12 for k, v in train_tps.items()}
+    train_ratio = [x / y for x, y in zip(train_tps["ours"], train_tps["nn"])]
+    decode_ratio = [x / y for x, y in zip(decode_sps["ours"], decode_sps["nn"])]
+    cached_ratio = [x / y for x, y in zip(cached_sps, decode_sps["nn"])]
+    return {
+        "config": b.config.to_dict(),
+        "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size,
+                 "max_tokens": max_tokens,
+                 "batch_shapes": [[s.size(0), s.size(1), t.size(1)]
+                                  for s, t in b.batches],
+                 "target_tokens": tokens, "decode_sentences": n_decode},
+        "train": {"ours_tokens_per_s": train_tps["ours"],
+                  "nn_tokens_per_s": train_tps["nn"],
+                  "ratio": train_ratio, "median_ratio": _median(train_ratio)},
+        "decode": {"ours_sentences_per_s": decode_sps["ours"],
+                   "nn_sentences_per_s": decode_sps["nn"],
+                   "generated_tokens": generated, "ratio": decode_ratio,
+                   "median_ratio": _median(decode_ratio),
+                   "ours_cached_sentences_per_s": cached_sps,
+                   "cached_ratio": cached_ratio,
+                   "cached_median_ratio": _median(cached_ratio)},
+        "memory": {"method": ("torch.cuda.max_memory_allocated" if b.cuda else
+                              "torch.profiler allocation events "
+                              "(profile_memory=True), peak of the running sum"),
+                   "train_peak_bytes": mem_train,
+                   "train_ratio": mem_train["ours"] / mem_train["nn"],
+                   "decode_peak_bytes": mem_decode,
+                   "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
+        "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"],
+                  "nn_tflops": tflops["nn"],
+                  "peak_tflops_assumed": peak,
+                  "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
+                  "note": "matmul FLOPs counted from the padded shapes; peak is an "
+                          "assumption from the vendor's dense bf16 figure for this "
+                          "device name" if peak else
+                          "matmul FLOPs counted from the padded shapes; no MFU "
+                          "(no assumed peak for this device)"},
+        "speedup_vs_nn": _median(train_ratio),
+    }
 
 # %% ../book/d_performance.ipynb #r028
 def format_table(result: dict) -> str:

@@ -32,13 +32,13 @@ from .training import (CHECKPOINT_FORMAT, CheckpointError, RunDirectoryError,
                                   average_checkpoints, epoch_batches, init_distributed,
                                   load_checkpoint, make_examples, model_from_checkpoint,
                                   read_metrics, run_lock, save_checkpoint, train)
-from .evaluation import bleu_callback, evaluate, score
+from .evaluation import bleu_callback, evaluate, final_evaluation, score
 from .decoding import translate
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'CLIError', 'build_parser', 'keep_freed_memory',
-           'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot',
-           'cmd_attend', 'main']
+           'provenance', 'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export',
+           'cmd_plot', 'cmd_attend', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -90,7 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(
         dest="command", required=True,
         metavar="{train,translate,evaluate,export,plot,attend,bench}")
+    _train_parser(sub)
+    _inference_parsers(sub)
+    _export_parser(sub)
+    _add_figure_commands(sub)       # plot, attend: below
+    # `bench` lives in appendix D (transformer.bench), which this module may not
+    # import; `python -m transformer` hands it over before this parser runs. Listed
+    # here so that --help names every command.
+    b = sub.add_parser("bench",
+                       help="time a training step and greedy decoding against "
+                            "torch.nn.Transformer (appendix D; python -m "
+                            "transformer bench --help)", add_help=False)
+    b.set_defaults(run=lambda args: _not_here("bench"))
+    return parser
 
+
+def _decoding_flags(parser) -> None:
+    "--beam and --alpha, for train's final evaluation and for translate/evaluate."
+    parser.add_argument("--beam", type=_positive(int), default=4,
+                        help="beam size (default: 4; 1 = greedy)")
+    parser.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6,
+                        help="GNMT length penalty (default: 0.6)")
+
+
+def _train_parser(sub) -> None:
     t = sub.add_parser("train",
                        help="train a model on Multi30k (CPU, GPU, or several with "
                             "torchrun)",
@@ -120,6 +143,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="continue the run in --out from last.pt")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
     t.add_argument("--seed", type=_number(int, low_ok=True), default=0)
+    _hyperparameters(t)
+    e = t.add_argument_group("evaluation")
+    e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
+                   help="translate only the first N sentences of each split")
+    e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
+                   default="test_2016_flickr",
+                   help="split scored at the end, besides val (default: "
+                        "test_2016_flickr)")
+    e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
+                   help="average the weights of the last N snapshots at the end "
+                        "and keep the average if it scores higher on val (0: off; "
+                        "default: the preset's)")
+    e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
+                   help="steps between the snapshots --average uses (default: the "
+                        "preset's, else --eval-every)")
+    _decoding_flags(e)
+    t.add_argument("--threads", type=_positive(int), metavar="N",
+                   help="CPU threads per process (default: torch's)")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(run=cmd_train)
+
+
+def _hyperparameters(t) -> None:
+    "train's flags that override the preset."
     g = t.add_argument_group("hyperparameters (default: the preset's)")
     g.add_argument("--batch-tokens", type=_positive(int), metavar="N",
                    help="padded tokens per optimizer step, all processes")
@@ -143,29 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-every", type=_positive(int), metavar="N",
                    help="validate and save every N steps")
     g.add_argument("--log-every", type=_positive(int), metavar="N")
-    e = t.add_argument_group("evaluation")
-    e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
-                   help="translate only the first N sentences of each split")
-    e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
-                   default="test_2016_flickr",
-                   help="split scored at the end, besides val (default: "
-                        "test_2016_flickr)")
-    e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
-                   help="average the weights of the last N snapshots at the end "
-                        "and keep the average if it scores higher on val (0: off; "
-                        "default: the preset's)")
-    e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
-                   help="steps between the snapshots --average uses (default: the "
-                        "preset's, else --eval-every)")
-    e.add_argument("--beam", type=_positive(int), default=4,
-                   help="beam size of the final evaluation (default: 4)")
-    e.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6,
-                   help="length penalty (default: 0.6)")
-    t.add_argument("--threads", type=_positive(int), metavar="N",
-                   help="CPU threads per process (default: torch's)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.set_defaults(run=cmd_train)
 
+
+def _inference_parsers(sub) -> None:
     for name, help_ in (("translate",
                          "translate sentences given as arguments or on stdin"),
                         ("evaluate",
@@ -178,10 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
                        choices=["chosen", "best", "last", "averaged"], default="chosen",
                        help="which weights (default: what train picked on val: "
                             "averaged.pt if it won, else best.pt)")
-        c.add_argument("--beam", type=_positive(int), default=4,
-                       help="beam size (default: 4; 1 = greedy)")
-        c.add_argument("--alpha", type=_number(float, low_ok=True), default=0.6,
-                       help="length penalty (default: 0.6)")
+        _decoding_flags(c)
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         c.add_argument("--threads", type=_positive(int), metavar="N")
         if name == "translate":
@@ -203,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument("--output", metavar="FILE",
                            help="also write the translations, one per line, to FILE")
             c.set_defaults(run=cmd_evaluate)
+
+
+def _export_parser(sub) -> None:
     x = sub.add_parser("export",
                        help="write a run's chosen weights, in half precision, as a "
                             "small model directory",
@@ -222,16 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
     x.set_defaults(run=cmd_export)
-    _add_figure_commands(sub)       # plot, attend: below
-    # `bench` lives in appendix D (transformer.bench), which this module may not
-    # import; `python -m transformer` hands it over before this parser runs. Listed
-    # here so that --help names every command.
-    b = sub.add_parser("bench",
-                       help="time a training step and greedy decoding against "
-                            "torch.nn.Transformer (appendix D; python -m "
-                            "transformer bench --help)", add_help=False)
-    b.set_defaults(run=lambda args: _not_here("bench"))
-    return parser
+
 
 
 def _not_here(command: str) -> int:
@@ -272,7 +290,7 @@ def _device_name(device: torch.device) -> str:
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
 
 
-def _provenance() -> dict:
+def provenance() -> dict:
     ("Where a result comes from: the git commit of the code (call it when the run "
      "starts), the machine, the software.")
     import transformer
@@ -562,6 +580,52 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     train_pairs, val_pairs = (_pairs(args, "train", args.src, args.tgt),
                               _pairs(args, "val", args.src, args.tgt))
+    tokenizer, model_config, train_config, examples = _prepare(
+        out, args, train_pairs, rank, world_size)
+    tok_path = out / "tokenizer.model"
+    run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
+    # now: the files may change while a long run goes on
+    facts = provenance()
+    torch.manual_seed(args.seed)
+    model = Transformer(model_config).to(device)
+    val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
+    say(f"{'resuming' if args.resume else 'training'} {args.preset} "
+        f"({model.num_parameters():,} parameters, "
+        f"vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} "
+        f"{args.src}->{args.tgt} pairs; {_device_name(device)}"
+        f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
+    result = train(model, examples, val_examples, train_config, out_dir=out,
+                   resume=args.resume,
+                   on_eval=bleu_callback(tokenizer, val_pairs),
+                   progress=not args.quiet, run=run)
+    if result.stopped == "interrupted":
+        signum = result.signal or signal.SIGINT
+        again = "python -m transformer " + shlex.join(
+            [*args.argv, *([] if args.resume else ["--resume"])])
+        print(f"{signal.Signals(signum).name} at step {result.step}: saved "
+              f"{out / 'last.pt'}; continue with: {again}",
+              file=sys.stderr)
+        # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+        return 128 + signum
+    if rank != 0:
+        return 0
+    final_start = time.perf_counter()
+    final = final_evaluation(
+        out, tokenizer, val_pairs,
+        None if args.eval_split == "val" else _pairs(args, args.eval_split, args.src,
+                                                     args.tgt),
+        beam_size=args.beam, alpha=args.alpha, average=train_config.keep_checkpoints,
+        model=model, device=device, run=run)
+    results = _results(args, final, result, train_config, device, world_size,
+                       time.perf_counter() - final_start, facts)
+    _write_json(out / "results.json", results)
+    _report(say, args, final, result, results)
+    return 0
+
+
+def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
+    """The tokenizer (trained, or the run's own on --resume), the configs and the
+    training examples, each checked before the next; config.json written."""
     model_config, train_config = _configs(args, args.vocab_size or VOCAB_SIZE)
     pieces = world_size * train_config.accum_steps
     # a piece per word at least
@@ -570,7 +634,6 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     _check_batch_tokens(args, train_config,
                         max((w for w in words if w <= model_config.max_len), default=0),
                         pieces, exact=False)
-
     tok_path = out / "tokenizer.model"
     if args.resume:
         _check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
@@ -597,101 +660,57 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
                         out / "config.json")
     elif rank == 0:
         _write_json(out / "config.json", run_config)
-    # every checkpoint names its tokenizer
-    run = {"tokenizer_sha256": sha256_file(tok_path)}
+    return tokenizer, model_config, train_config, examples
 
-    # now: the files may change while a long run goes on
-    provenance = _provenance()
-    torch.manual_seed(args.seed)
-    model = Transformer(model_config).to(device)
-    val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
-    say(f"{'resuming' if args.resume else 'training'} {args.preset} "
-        f"({model.num_parameters():,} parameters, "
-        f"vocabulary {V:,}) on {len(examples):,} {args.src}->{args.tgt} pairs; "
-        f"{_device_name(device)}"
-        f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
-    result = train(model, examples, val_examples, train_config, out_dir=out,
-                   resume=args.resume,
-                   on_eval=bleu_callback(tokenizer, val_pairs),
-                   progress=not args.quiet, run=run)
-    if result.stopped == "interrupted":
-        signum = result.signal or signal.SIGINT
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"])])
-        print(f"{signal.Signals(signum).name} at step {result.step}: saved "
-              f"{out / 'last.pt'}; continue with: {again}",
-              file=sys.stderr)
-        # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-        return 128 + signum
-    if rank != 0:
-        return 0
 
-    final_start = time.perf_counter()
-    candidates = {"best": model_from_checkpoint(out / "best.pt", device)
-                          if (out / "best.pt").exists()
-                  else model.eval()}
-    keep = train_config.keep_checkpoints
-    snapshots = sorted(out.glob("step-*.pt"))[-keep:] if keep else []
-    # the paper's checkpoint averaging (section 6.1)
-    if len(snapshots) >= 2:
-        averaged = average_checkpoints(snapshots)
-        candidates["averaged"] = model_from_checkpoint(averaged, device)
-        save_checkpoint(out / "averaged.pt", candidates["averaged"],
-                        progress=averaged["progress"], run=run)
-    on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=args.beam,
-                             alpha=args.alpha)
-              for name, m in candidates.items()}
-    # picked on val only; a tie keeps best.pt
-    chosen = max(on_val, key=lambda name: on_val[name]["bleu"])
-    val = on_val[chosen]
-    test = val if args.eval_split == "val" else evaluate(
-        candidates[chosen], tokenizer,
-        _pairs(args, args.eval_split, args.src, args.tgt),
-        beam_size=args.beam, alpha=args.alpha)
-    # greedy too: the number most Multi30k papers give
-    greedy = test if args.beam == 1 else evaluate(
-        candidates[chosen], tokenizer,
-        _pairs(args, args.eval_split, args.src, args.tgt), beam_size=1)
-    results = {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
-               "chrf": test["chrf"],
-               "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
-               "checkpoint": chosen,
-               "averaged": ([p.name for p in snapshots] if "averaged" in candidates
-                            else []),
-               "greedy": {k: greedy[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
-               "val": {k: val[k] for k in ("bleu", "bleu_lc_tok", "chrf")},
-               "val_by_checkpoint": {name: {k: s[k]
-                                            for k in ("bleu", "bleu_lc_tok", "chrf")}
-                                     for name, s in on_val.items()},
-               "final_eval_seconds": time.perf_counter() - final_start,
-               "train_seconds": result.train_seconds,
-               "eval_seconds": result.eval_seconds,
-               "tokens_per_second": result.tokens_per_second,
-               "steps": result.step, "epochs": round(result.epochs, 3),
-               "stopped": result.stopped,
-               "best_step": (result.best or {}).get("step"),
-               "device": _device_name(device),
-               "world_size": world_size, "torch": torch.__version__,
-               "params": model.num_parameters(),
-               "preset": args.preset, "src": args.src, "tgt": args.tgt,
-               "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
-               "train_config": asdict(train_config),
-               "command": "python -m transformer " + " ".join(args.argv), **provenance,
-               "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    _write_json(out / "results.json", results)
+_SCORES = ("bleu", "bleu_lc_tok", "chrf")
+
+
+def _results(args, final: dict, result, train_config: TrainConfig, device,
+             world_size: int, final_seconds: float, provenance: dict) -> dict:
+    "What results.json records of a finished run."
+    test = final["test"]
+    return {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
+            "chrf": test["chrf"],
+            "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
+            "checkpoint": final["checkpoint"], "averaged": final["averaged"],
+            "greedy": {k: final["greedy"][k] for k in _SCORES},
+            "val": {k: final["val"][k] for k in _SCORES},
+            "val_by_checkpoint": {name: {k: s[k] for k in _SCORES}
+                                  for name, s in final["val_by_checkpoint"].items()},
+            "final_eval_seconds": final_seconds,
+            "train_seconds": result.train_seconds,
+            "eval_seconds": result.eval_seconds,
+            "tokens_per_second": result.tokens_per_second,
+            "steps": result.step, "epochs": round(result.epochs, 3),
+            "stopped": result.stopped,
+            "best_step": (result.best or {}).get("step"),
+            "device": _device_name(device),
+            "world_size": world_size, "torch": torch.__version__,
+            "params": final["model"].num_parameters(),
+            "preset": args.preset, "src": args.src, "tgt": args.tgt,
+            "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
+            "train_config": asdict(train_config),
+            "command": "python -m transformer " + " ".join(args.argv), **provenance,
+            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def _report(say, args, final: dict, result, results: dict) -> None:
+    "The last lines `train` prints."
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
         f"({result.eval_seconds / 60:.1f} of them validating), "
         f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
         f"from step {results['best_step']}")
+    on_val = final["val_by_checkpoint"]
     if len(on_val) > 1:
         say("val BLEU by checkpoint: "
             + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
-            f"; using {chosen}.pt")
-    for name, s in (("val", val),
-                    (args.eval_split, test))[: 1 if args.eval_split == "val" else 2]:
+            f"; using {final['checkpoint']}.pt")
+    for name, s in (("val", final["val"]),
+                    (args.eval_split, final["test"]))[
+                        : 1 if args.eval_split == "val" else 2]:
         say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
             f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam})")
-    return 0
 
 # %% ../book/c_commands.ipynb #c011
 def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:

@@ -3,8 +3,10 @@
 # %% ../book/10_evaluation.ipynb #c002
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -12,9 +14,11 @@ from .tokens import Tokenizer
 from .model import Transformer
 from .decoding import translate
 from .devices import world
+from .training import (average_checkpoints, model_from_checkpoint,
+                                  save_checkpoint)
 
 # %% auto #0
-__all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']
+__all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback', 'final_evaluation']
 
 # %% ../book/10_evaluation.ipynb #c008
 def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -101,3 +105,46 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
         return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
 
     return on_eval
+
+# %% ../book/10_evaluation.ipynb #c013b
+def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
+                     val_pairs: Sequence[tuple[str, str]],
+                     test_pairs: Sequence[tuple[str, str]] | None = None, *,
+                     beam_size: int = 4, alpha: float = 0.6, average: int = 0,
+                     model: Transformer | None = None, device=None,
+                     run: dict | None = None) -> dict:
+    """The end of a training run in `out_dir`: choose the model on validation, score it.
+
+    The candidates are `best.pt` (else `model`, the weights in memory) and, when the run
+    kept two snapshots or more, the mean of the last `average` of them (section 6.1 of
+    the paper; saved as `averaged.pt`, with `run`). The one with the highest validation
+    BLEU wins (a tie keeps `best.pt`); it is scored on `test_pairs` (default: the
+    validation pairs) with beam search and greedily. Returns the scores and the chosen
+    model: `checkpoint`, `averaged` (snapshot names), `val_by_checkpoint`, `val`,
+    `test`, `greedy`, `model`."""
+    out = Path(out_dir)
+    candidates = {}
+    if (out / "best.pt").exists():
+        candidates["best"] = model_from_checkpoint(out / "best.pt", device)
+    elif model is not None:
+        candidates["best"] = model.eval()
+    else:
+        raise ValueError(f"{out} holds no best.pt and no model was given")
+    snapshots = sorted(out.glob("step-*.pt"))[-average:] if average else []
+    if len(snapshots) >= 2:
+        averaged = average_checkpoints(snapshots)
+        candidates["averaged"] = model_from_checkpoint(averaged, device)
+        save_checkpoint(out / "averaged.pt", candidates["averaged"],
+                        progress=averaged["progress"], run=run)
+    on_val = {name: evaluate(m, tokenizer, val_pairs, beam_size=beam_size, alpha=alpha)
+              for name, m in candidates.items()}
+    chosen = max(on_val, key=lambda name: on_val[name]["bleu"])   # first wins a tie
+    best = candidates[chosen]
+    test = on_val[chosen] if test_pairs is None else evaluate(
+        best, tokenizer, test_pairs, beam_size=beam_size, alpha=alpha)
+    greedy = test if beam_size == 1 else evaluate(
+        best, tokenizer, val_pairs if test_pairs is None else test_pairs, beam_size=1)
+    return {"checkpoint": chosen,
+            "averaged": [p.name for p in snapshots] if "averaged" in candidates else [],
+            "val_by_checkpoint": on_val, "val": on_val[chosen], "test": test,
+            "greedy": greedy, "model": best}
