@@ -173,3 +173,43 @@ def test_translate_text_to_text_keeps_order_and_handles_empty(random_model, word
 def test_bad_inputs(random_model, words, call, error, match):
     with pytest.raises(error, match=match):
         call(random_model, words)
+
+
+def test_kv_cache_is_allocated_once_and_follows_beam_reordering():
+    from transformer.decoding import KVCache
+    cache = KVCache(capacity=3)
+    k = [torch.full((2, 1, 1, 4), float(i)) for i in range(4)]
+    out_k, _ = cache.append(k[0], -k[0])
+    storage = cache.k.data_ptr()
+    for i in (1, 2):
+        out_k, out_v = cache.append(k[i], -k[i])
+    assert cache.k.data_ptr() == storage                              # filled in place, never grown
+    assert out_k.shape == (2, 1, 3, 4) and out_k[0, 0, :, 0].tolist() == [0.0, 1.0, 2.0]
+    assert torch.equal(out_v, -out_k)
+    with pytest.raises(ValueError, match="holds 3 positions"):
+        cache.append(k[3], k[3])
+    cache.k[1] += 10                                                  # rows differ
+    cache.reorder(torch.tensor([1, 1]))
+    assert torch.equal(cache.k[0], cache.k[1]) and cache.k[0, 0, 0, 0] == 10
+
+
+def test_the_cached_step_runs_the_decoder_layers_own_sublayers(monkeypatch):
+    "One implementation of a decoder layer: the cached step goes through DecoderLayer.sublayers."
+    from transformer.blocks import DecoderLayer
+    calls = []
+    original = DecoderLayer.sublayers
+
+    def spy(self, y, sa, ca):
+        calls.append(y.size(1))
+        return original(self, y, sa, ca)
+
+    monkeypatch.setattr(DecoderLayer, "sublayers", spy)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64)).eval()
+    src = torch.randint(4, 20, (2, 5))
+    greedy_search(model, src, extra_len=3)
+    assert calls and set(calls) == {1}                                # one position at a time, every layer
+    calls.clear()
+    model(src, src)
+    assert calls == [5, 5]                                            # training: the whole target, same code

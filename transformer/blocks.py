@@ -72,28 +72,31 @@ class DecoderLayer(nn.Module):
                                                        for _ in range(3))
         self.norm_first = norm_first
 
-    def _sa(self, y, mask, is_causal=False):
-        return self.self_attn(y, y, y, mask, is_causal=is_causal)[0]
-
-    # queries from the decoder, keys and values from the encoder
-    def _ca(self, y, memory, mask):
-        return self.cross_attn(y, memory, memory, mask)[0]
-
     def forward(self, y: torch.Tensor, memory: torch.Tensor,
                 tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False) -> torch.Tensor:
         ("`tgt_is_causal=True` (with `tgt_mask=None`): the causal mask as a flag for "
          "the fast kernel.")
+        return self.sublayers(
+            y,
+            lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal)[0],
+            lambda z: self.cross_attn(z, memory, memory, memory_mask)[0])
+
+    def sublayers(self, y: torch.Tensor, self_attention, cross_attention
+                  ) -> torch.Tensor:
+        """The three sub-layers, each wrapped in dropout, a residual connection and
+        LayerNorm: `self_attention(z)` and `cross_attention(z)` say what attention sees.
+        `forward` passes the whole target and the memory; chapter 9's key/value cache
+        passes one new position and what earlier steps stored, through this same
+        code."""
         if self.norm_first:
-            y = self.dropout1.residual(y, self._sa(self.norm1(y), tgt_mask,
-                                                   tgt_is_causal))
-            y = self.dropout2.residual(y, self._ca(self.norm2(y), memory, memory_mask))
+            y = self.dropout1.residual(y, self_attention(self.norm1(y)))
+            y = self.dropout2.residual(y, cross_attention(self.norm2(y)))
             y = self.dropout3.residual(y, self.feed_forward(self.norm3(y)))
         else:
-            y = self.norm1(self.dropout1.residual(y, self._sa(y, tgt_mask,
-                                                              tgt_is_causal)))
-            y = self.norm2(self.dropout2.residual(y, self._ca(y, memory, memory_mask)))
+            y = self.norm1(self.dropout1.residual(y, self_attention(y)))
+            y = self.norm2(self.dropout2.residual(y, cross_attention(y)))
             y = self.norm3(self.dropout3.residual(y, self.feed_forward(y)))
         return y                                                # (B, T_tgt, d_model)
 

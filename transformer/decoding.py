@@ -15,7 +15,7 @@ from .masking import padding_mask, causal_mask
 from .model import Transformer
 
 # %% auto #0
-__all__ = ['length_penalty', 'PrefixDecoder', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate']
+__all__ = ['length_penalty', 'KVCache', 'PrefixDecoder', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate']
 
 # %% ../book/09_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
@@ -64,12 +64,43 @@ def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.
                                                mha.d_model))  # (N, 1, d_model)
 
 
+class KVCache:
+    """The keys and values of the positions so far, for one self-attention layer: two
+    tensors (N, h, capacity, d_k) allocated once, filled one position per step (no
+    tensor grows by concatenation)."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.length = capacity, 0
+        self.k = self.v = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        "Store the new position's k, v (N, h, 1, d_k); return all (N, h, t+1, d_k)."
+        if self.k is None:
+            N, h, _, d_k = k.shape
+            self.k = k.new_empty(N, h, self.capacity, d_k)
+            self.v = v.new_empty(N, h, self.capacity, d_k)
+        if self.length == self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; "
+                             "decode no longer than that")
+        self.k[:, :, self.length] = k[:, :, 0]
+        self.v[:, :, self.length] = v[:, :, 0]
+        self.length += 1
+        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        "Row i now continues row index[i] (beam search)."
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
 class PrefixDecoder:
     ("Next-token logits by running the decoder over the whole prefix "
      "(the training computation).")
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
-                 src_mask: torch.Tensor):
+                 src_mask: torch.Tensor, capacity: int | None = None):
         self.model, self.memory, self.src_mask = model, memory, src_mask
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
@@ -85,25 +116,23 @@ class PrefixDecoder:
 
 
 class CachedDecoder:
-    "Next-token logits from the newest token only, with per-layer key/value caches."
+    """Next-token logits from the newest token only: each decoder layer's
+    `sublayers` (chapter 6) runs on one position, its self-attention over a
+    `KVCache`, its cross-attention over the memory's keys and values (computed once)."""
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
-                 src_mask: torch.Tensor):
+                 src_mask: torch.Tensor, capacity: int | None = None):
         self.model, self.src_mask = model, src_mask
         # (N, h, S, d_k), once
         self.memory_kv = [(_heads(l.cross_attn, l.cross_attn.w_k(memory)),
                            _heads(l.cross_attn, l.cross_attn.w_v(memory)))
                           for l in model.decoder.layers]
-        self.self_kv: list[tuple[torch.Tensor, torch.Tensor] | None] = (
-            [None] * len(model.decoder.layers))
+        self.caches = [KVCache(capacity or model.config.max_len)
+                       for _ in model.decoder.layers]
 
-    def _self_attention(self, i: int, layer, x: torch.Tensor) -> torch.Tensor:
+    def _self_attention(self, layer, cache: KVCache, x: torch.Tensor) -> torch.Tensor:
         sa = layer.self_attn
-        k, v = _heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x))  # (N, h, 1, d_k)
-        if self.self_kv[i] is not None:
-            k, v = (torch.cat([self.self_kv[i][0], k], 2),
-                    torch.cat([self.self_kv[i][1], v], 2))
-        self.self_kv[i] = (k, v)                             # (N, h, t+1, d_k)
+        k, v = cache.append(_heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x)))
         return _attend(sa, x, k, v, None)  # the newest token may see every earlier one
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
@@ -111,34 +140,31 @@ class CachedDecoder:
          "last call.")
         m, t = self.model, ys.size(1) - 1
         y = m.tgt_embed(ys[:, -1:]) + m.pos.pe[t]            # (N, 1, d_model)
-        # DecoderLayer.forward, one position
-        for i, layer in enumerate(m.decoder.layers):
-            mk, mv = self.memory_kv[i]
-            if layer.norm_first:
-                y = y + self._self_attention(i, layer, layer.norm1(y))
-                y = y + _attend(layer.cross_attn, layer.norm2(y), mk, mv, self.src_mask)
-                y = y + layer.feed_forward(layer.norm3(y))
-            else:
-                y = layer.norm1(y + self._self_attention(i, layer, y))
-                y = layer.norm2(y + _attend(layer.cross_attn, y, mk, mv, self.src_mask))
-                y = layer.norm3(y + layer.feed_forward(y))
+        for layer, cache, (mk, mv) in zip(m.decoder.layers, self.caches,
+                                          self.memory_kv):
+            y = layer.sublayers(
+                y, lambda z: self._self_attention(layer, cache, z),
+                lambda z: _attend(layer.cross_attn, z, mk, mv, self.src_mask))
         return m.generator(m.decoder.norm(y)[:, -1])         # (N, V)
 
     def reorder(self, rows: list[int]) -> None:
         ("Beam search re-ordered the rows: the caches follow "
          "(the memory's rows are the same).")
-        index = torch.tensor(rows, device=self.self_kv[0][0].device)
-        self.self_kv = [(k[index], v[index]) for k, v in self.self_kv]
+        index = torch.tensor(rows, device=self.memory_kv[0][0].device)
+        for cache in self.caches:
+            cache.reorder(index)
 
 
-def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool):
+def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
+           capacity: int | None = None):
     "Encode once; return the decoder state for `copies` rows per sentence."
     src_mask = padding_mask(src, model.config.pad_id)     # (B, 1, 1, S)
     memory = model.encode(src, src_mask)                  # (B, S, d_model)
     if copies > 1:
         memory, src_mask = (memory.repeat_interleave(copies, 0),
                             src_mask.repeat_interleave(copies, 0))
-    return (CachedDecoder if cache else PrefixDecoder)(model, memory, src_mask)
+    return (CachedDecoder if cache else PrefixDecoder)(model, memory, src_mask,
+                                                       capacity)
 
 # %% ../book/09_decoding.ipynb #c009
 @torch.no_grad()
@@ -147,7 +173,7 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
     ("Batched greedy decoding: source ids (B, S) -> B lists of output ids "
      "(no BOS, no EOS).")
     limits = _output_limits(model, src, extra_len)
-    state = _start(model, src, 1, cache)
+    state = _start(model, src, 1, cache, max(limits))
     B, device, pad = src.size(0), src.device, model.config.pad_id
     limit = torch.tensor(limits, device=device)                          # (B,)
     ys = torch.full((B, 1), BOS, dtype=torch.long, device=device)        # (B, 1)
@@ -175,7 +201,7 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
     limits = _output_limits(model, src, extra_len)
     K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
     # encoder once, K rows per sentence
-    state = _start(model, src, K, cache)
+    state = _start(model, src, K, cache, max(limits))
     ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
     # (B, K) log P of each hypothesis
     scores = torch.full((B, K), -math.inf, device=device)

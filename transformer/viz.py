@@ -100,6 +100,42 @@ PARTS = {"why": "attention", "tokens": "tokens and embeddings",
          "evaluation": "the output, scored", "traced": "one sentence through all of it"}
 
 
+def _connections(on, line) -> list[str]:
+    """Figure 1's arrows: up each column, around each sub-layer (the residual
+    connections), the encoder's memory into the decoder; and the labels."""
+    out = []
+    for col_x, ys in ((_ENC_X, [455, 415, 365, 325]),
+                      (_DEC_X, [455, 415, 365, 325, 275, 235, 165, 120])):
+        x_mid = col_x + _W / 2
+        out.append(line(x_mid, 512, x_mid, ys[0] + _H))
+        for upper, lower in zip(ys[1:], ys):
+            out.append(line(x_mid, lower, x_mid, upper + _H))
+    # residual connections: around each sub-layer, from its input to its Add & Norm
+    for col_x, pairs in ((_ENC_X, [(455, 415), (365, 325)]),
+                         (_DEC_X, [(455, 415), (365, 325), (275, 235)])):
+        for sub_y, norm_y in pairs:
+            y0, y1, xl = sub_y + _H + 7, norm_y + _H / 2, col_x - 7
+            out.append(f'<polyline points="{col_x + 24},{y0} {xl},{y0} {xl},{y1} '
+                       f'{col_x - 2},{y1}" fill="none" '
+                       f'stroke="{"#b45309" if on({"blocks"}) else "#94a3b8"}" '
+                       'stroke-width="1.5" marker-end="url(#arrow)"/>')
+    # the encoder's output (memory) feeds every decoder layer's cross-attention
+    ex = _ENC_X + _W / 2
+    out.append(f'<polyline points="{ex},325 {ex},280 {_DEC_X - 30},280 '
+               f'{_DEC_X - 30},380 {_DEC_X - 2},380" fill="none" stroke="#475569" '
+               'stroke-width="1.5" marker-end="url(#arrow)"/>')
+    out.append(f'<text x="{ex + 6}" y="273" fill="#334155">memory</text>')
+    out.append(line(_DEC_X + _W / 2, 120, _DEC_X + _W / 2, 95))
+    out.append(f'<text x="{_DEC_X + _W / 2}" y="85" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">next-token probabilities</text>')
+    out.append(f'<text x="{_ENC_X + _W / 2}" y="625" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">source tokens (German)</text>')
+    out.append(f'<text x="{_DEC_X + _W / 2}" y="625" text-anchor="middle" '
+               'fill="#0f172a" font-weight="bold">target so far (shifted right)'
+               '</text>')
+    return out
+
+
 def architecture(highlight: str | None = None, scale: float = 1.0,
                  title: bool = True) -> str:
     """The paper's Figure 1 as SVG markup, drawn for this book: the parts that
@@ -150,37 +186,7 @@ def architecture(highlight: str | None = None, scale: float = 1.0,
         out.append(f'<text x="{cx}" y="{cy + 4}" text-anchor="middle" '
                    'fill="#0f172a">+</text>')
         out.append(f'<text x="{cx + 16}" y="{cy + 4}" fill="#334155">positions</text>')
-    for col_x, ys in ((_ENC_X, [455, 415, 365, 325]),
-                      (_DEC_X, [455, 415, 365, 325, 275, 235, 165, 120])):
-        x_mid = col_x + _W / 2
-        out.append(line(x_mid, 512, x_mid, ys[0] + _H))
-        for upper, lower in zip(ys[1:], ys):
-            out.append(line(x_mid, lower, x_mid, upper + _H))
-    # residual connections: around each sub-layer, from its input to its Add & Norm
-    for col_x, pairs in ((_ENC_X, [(455, 415), (365, 325)]),
-                         (_DEC_X, [(455, 415), (365, 325), (275, 235)])):
-        bg, stroke = fill(on({"blocks"}))
-        for sub_y, norm_y in pairs:
-            y0, y1, xl = sub_y + _H + 7, norm_y + _H / 2, col_x - 7
-            out.append(f'<polyline points="{col_x + 24},{y0} {xl},{y0} {xl},{y1} '
-                       f'{col_x - 2},{y1}" fill="none" '
-                       f'stroke="{"#b45309" if on({"blocks"}) else "#94a3b8"}" '
-                       'stroke-width="1.5" marker-end="url(#arrow)"/>')
-    # the encoder's output (memory) feeds every decoder layer's cross-attention
-    ex = _ENC_X + _W / 2
-    out.append(f'<polyline points="{ex},325 {ex},280 {_DEC_X - 30},280 '
-               f'{_DEC_X - 30},380 {_DEC_X - 2},380" fill="none" stroke="#475569" '
-               'stroke-width="1.5" marker-end="url(#arrow)"/>')
-    out.append(f'<text x="{ex + 6}" y="273" fill="#334155">memory</text>')
-    out.append(line(_DEC_X + _W / 2, 120, _DEC_X + _W / 2, 95))
-    bg, stroke = fill(on({"decoding", "evaluation", "training"}))
-    out.append(f'<text x="{_DEC_X + _W / 2}" y="85" text-anchor="middle" '
-               'fill="#0f172a" font-weight="bold">next-token probabilities</text>')
-    out.append(f'<text x="{_ENC_X + _W / 2}" y="625" text-anchor="middle" '
-               'fill="#0f172a" font-weight="bold">source tokens (German)</text>')
-    out.append(f'<text x="{_DEC_X + _W / 2}" y="625" text-anchor="middle" '
-               'fill="#0f172a" font-weight="bold">target so far (shifted right)'
-               '</text>')
+    out += _connections(on, line)
     if title:
         head = "The Transformer" + (f" · you are here: {PARTS[highlight]}" if highlight
                                     else " (Vaswani et al., 2017, Figure 1)")
