@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.training import cpu_has_bf16_units
+from transformer.devices import cpu_has_bf16_units
 from torch.utils.flop_counter import FlopCounterMode
 
 from transformer import bench

@@ -395,7 +395,7 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
     "The same with a real full file system (a 64 KiB tmpfs), where the machine lets us mount one."
     import errno
     from transformer.model import Transformer, TransformerConfig
-    from transformer.training import SaveError, save_checkpoint, load_checkpoint
+    from transformer.checkpoints import load_checkpoint, save_checkpoint, SaveError
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
@@ -416,7 +416,7 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
 
 def test_second_process_is_refused_while_a_run_holds_the_directory(trained, tmp_path):
     out = _copy(trained, tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.training import run_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
                                f"with run_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -443,7 +443,7 @@ def test_two_trainings_into_one_directory(multi30k, tmp_path):
     assert err.count("\n") == 1 and ("is in use by another run (pid" in err or "already holds a run" in err
                                      or "holds files of another run" in err), err
     config = json.loads((out / "config.json").read_text())
-    from transformer.training import load_checkpoint
+    from transformer.checkpoints import load_checkpoint
     state = load_checkpoint(out / "last.pt")
     from transformer.data import sha256_file
     assert state["run"]["tokenizer_sha256"] == sha256_file(out / "tokenizer.model")
@@ -469,7 +469,7 @@ def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     err = proc.stderr.read()
     assert code == 128 + signal.SIGTERM, err
     last = err.strip().splitlines()[-1]
-    from transformer.training import load_checkpoint
+    from transformer.checkpoints import load_checkpoint
     step = load_checkpoint(out / "last.pt")["progress"]["step"]
     assert last.startswith(f"SIGTERM at step {step}: saved {out / 'last.pt'}; continue with: python -m transformer train")
     assert last.endswith("--resume") and step >= 3 and "Traceback" not in err
@@ -480,7 +480,7 @@ def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
 
 def test_export_writes_a_small_model_that_translates(trained, tmp_path):
     from transformer.data import sha256_file
-    from transformer.training import load_checkpoint
+    from transformer.checkpoints import load_checkpoint
     out = tmp_path / "model"
     code, stdout, err = run("export", "--model", trained[0], "--out", out)
     assert code == 0, err
@@ -504,7 +504,7 @@ def test_export_writes_a_small_model_that_translates(trained, tmp_path):
 def test_the_shipped_model_translates_on_a_fresh_clone():
     "book/model: half-precision weights that load with weights_only=True, their sha256 recorded, no training needed."
     from transformer.data import sha256_file
-    from transformer.training import load_checkpoint
+    from transformer.checkpoints import load_checkpoint
     model_dir = ROOT / "book" / "model"
     info = json.loads((model_dir / "results.json").read_text())
     assert info["weights_sha256"] == sha256_file(model_dir / "best.pt")

@@ -7,7 +7,9 @@ import torch
 from transformer.decoding import beam_search, greedy_search, length_penalty, translate
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
-from transformer.training import TrainConfig, model_from_checkpoint, train
+from transformer.training import TrainConfig
+from transformer.loop import train
+from transformer.checkpoints import model_from_checkpoint
 
 
 @pytest.fixture(autouse=True)

@@ -134,7 +134,7 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
 
 def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
     from transformer.evaluation import final_evaluation
-    from transformer.training import load_checkpoint, save_checkpoint
+    from transformer.checkpoints import load_checkpoint, save_checkpoint
     tokenizer, model, pairs = _tiny_translation_setup()
     save_checkpoint(tmp_path / "best.pt", model)
     for step in (1, 2, 3):

@@ -13,7 +13,9 @@ import torch.multiprocessing as mp
 
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
-from transformer.training import TrainConfig, _Loop, collate, train
+from transformer.training import collate
+from transformer.training import TrainConfig
+from transformer.loop import _Loop, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

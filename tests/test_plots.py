@@ -21,7 +21,7 @@ from transformer import plots
 from transformer.cli import load_run, main
 from transformer.decoding import translate
 from transformer.positions import sinusoidal_encoding
-from transformer.training import read_metrics
+from transformer.checkpoints import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "book" / "results"

@@ -14,10 +14,12 @@ import torch.nn.functional as F
 
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD
-from transformer.training import (CHECKPOINT_FORMAT, CheckpointError, RunDirectoryError, SaveError, Seq2SeqLoss,
-                                  TrainConfig, TrainingError, atomic_write, collate, epoch_batches, label_smoothed_nll,
-                                  load_checkpoint, model_bytes, model_from_checkpoint, my_pieces, rate, read_metrics,
-                                  run_lock, save_checkpoint, strip_prefixes, train)
+from transformer.training import collate, epoch_batches, label_smoothed_nll, my_pieces, rate, Seq2SeqLoss
+from transformer.training import TrainConfig
+from transformer.loop import train
+from transformer.checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, model_bytes,
+                                     model_from_checkpoint, read_metrics, run_lock, RunDirectoryError, save_checkpoint,
+                                     SaveError, strip_prefixes, TrainingError)
 
 
 @pytest.fixture(autouse=True)
@@ -351,11 +353,11 @@ def test_run_lock_is_exclusive_reentrant_and_leaves_nothing(tmp_path):
         assert (out / ".lock").read_text().strip() == str(os.getpid())
         with run_lock(out):                                             # the same process: re-entrant
             pass
-        other = subprocess.run([sys.executable, "-c", f"from transformer.training import run_lock\n"
+        other = subprocess.run([sys.executable, "-c", f"from transformer.checkpoints import run_lock\n"
                                 f"with run_lock({str(out)!r}): pass"], capture_output=True, text=True)
         assert other.returncode == 1 and f"is in use by another run (pid {os.getpid()})" in other.stderr
     assert list(out.iterdir()) == []                                    # the lock file goes with the lock
-    other = subprocess.run([sys.executable, "-c", f"from transformer.training import run_lock\n"
+    other = subprocess.run([sys.executable, "-c", f"from transformer.checkpoints import run_lock\n"
                             f"with run_lock({str(out)!r}): print('ok')"], capture_output=True, text=True)
     assert other.stdout == "ok\n", other.stderr
 
@@ -393,13 +395,13 @@ def test_atomic_write_failure_leaves_the_old_file_and_no_temp(tmp_path):
     def spy(src, dst):
         names.add(Path(src).name)
         real_replace(src, dst)
-    import transformer.training as training_module
-    training_module.os.replace = spy
+    import transformer.checkpoints as checkpoints_module
+    checkpoints_module.os.replace = spy
     try:
         for _ in range(3):
             atomic_write(target, lambda f: f.write(b"x"))
     finally:
-        training_module.os.replace = real_replace
+        checkpoints_module.os.replace = real_replace
     assert len(names) == 3 and all(n.startswith(".results.json.") and n.endswith(".tmp") for n in names)
 
 
@@ -508,7 +510,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 # --- checkpoint averaging, CPU bf16 -----------------------------------------------------------
 
 def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
-    from transformer.training import average_checkpoints
+    from transformer.loop import average_checkpoints
     torch.manual_seed(0)
     model = Transformer(tiny_config(0.1))
     train(model, copy_examples(200), copy_examples(20, seed=3),
@@ -530,7 +532,7 @@ def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
 
 
 def test_average_checkpoints_refuses_mixed_models(tmp_path):
-    from transformer.training import average_checkpoints
+    from transformer.loop import average_checkpoints
     save_checkpoint(tmp_path / "a.pt", Transformer(tiny_config()))
     save_checkpoint(tmp_path / "b.pt", Transformer(TransformerConfig(**{**tiny_config().to_dict(), "d_ff": 32})))
     with pytest.raises(CheckpointError, match="different model"):
@@ -549,7 +551,7 @@ def test_snapshot_config_validation(kwargs, match):
 
 
 def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
-    from transformer.training import cpu_has_bf16_units
+    from transformer.devices import cpu_has_bf16_units
     assert isinstance(cpu_has_bf16_units(), bool)
     losses = {}
     for bf16 in (False, True):
@@ -578,7 +580,7 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
     (None, None, False),        # a torch without the private probes
 ])
 def test_cpu_has_bf16_units_asks_both_probes(monkeypatch, amx, avx512_bf16, expected):
-    from transformer.training import cpu_has_bf16_units
+    from transformer.devices import cpu_has_bf16_units
 
     def probe(answer):
         if answer is None:
@@ -666,7 +668,8 @@ def test_seq2seq_loss_equals_the_explicit_masked_path():
 
 # --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
 
-from transformer.training import check_examples, cross_entropy_sums
+from transformer.training import cross_entropy_sums
+from transformer.loop import check_examples
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
@@ -743,7 +746,8 @@ def test_train_checks_token_ids_once_at_the_data_boundary():
 
 
 def test_load_optimizer_state_keeps_this_devices_kernel():
-    from transformer.training import load_optimizer_state, make_optimizer
+    from transformer.training import make_optimizer
+    from transformer.checkpoints import load_optimizer_state
     model = Transformer(tiny_config())
     old = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)  # a checkpoint of an older run
     model(torch.tensor([[4, 5, EOS]]), torch.tensor([[BOS, 4]])).sum().backward()

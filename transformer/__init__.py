@@ -14,3 +14,5 @@ from .positions import LearnedPositionalEmbedding, PositionalEncoding, sinusoida
 from .blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward       # 06
 from .masking import causal_mask, decoder_mask, padding_mask, teacher_forcing       # 07
 from .model import PRESETS, Transformer, TransformerConfig                          # 07
+from .training import TrainConfig                                                   # 08
+from .loop import TrainResult, train                                                # 08.1

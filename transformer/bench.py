@@ -27,7 +27,9 @@ from .blocks import Dropout
 from .masking import padding_mask
 from .decoding import greedy_search
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import Seq2SeqLoss, atomic_write, cpu_has_bf16_units
+from .training import Seq2SeqLoss
+from .checkpoints import atomic_write
+from .devices import cpu_has_bf16_units
 from .devices import fast_matmul
 from .cli import keep_freed_memory, provenance
 

@@ -27,11 +27,14 @@ from .data import (LANGS, SPLITS, DataError, load_multi30k, read_parallel,
                               sha256_file)
 from .tokens import Tokenizer
 from .model import PRESETS, Transformer, TransformerConfig
-from .training import (CHECKPOINT_FORMAT, CheckpointError, RunDirectoryError,
-                                  TrainConfig, TrainingError, atomic_write,
-                                  average_checkpoints, epoch_batches, init_distributed,
-                                  load_checkpoint, make_examples, model_from_checkpoint,
-                                  read_metrics, run_lock, save_checkpoint, train)
+from .training import epoch_batches, make_examples
+from .training import TrainConfig
+from .loop import average_checkpoints, train
+from .checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError,
+                                     load_checkpoint, model_from_checkpoint,
+                                     read_metrics, run_lock, RunDirectoryError,
+                                     save_checkpoint, TrainingError)
+from .devices import init_distributed
 from .evaluation import bleu_callback, evaluate, final_evaluation, score
 from .decoding import translate
 

@@ -14,8 +14,8 @@ from .tokens import Tokenizer
 from .model import Transformer
 from .decoding import translate
 from .devices import world
-from .training import (average_checkpoints, model_from_checkpoint,
-                                  save_checkpoint)
+from .loop import average_checkpoints
+from .checkpoints import model_from_checkpoint, save_checkpoint
 
 # %% auto #0
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback', 'final_evaluation']

@@ -20,7 +20,7 @@ from matplotlib.lines import Line2D
 from .tokens import BOS, EOS, Tokenizer
 from .positions import sinusoidal_encoding
 from .model import Transformer
-from .training import read_metrics
+from .checkpoints import read_metrics
 from .decoding import beam_search, greedy_search
 
 # DejaVu Sans ships with matplotlib and has every glyph the figures print: umlauts, ß,
