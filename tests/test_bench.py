@@ -3,6 +3,7 @@ and the benchmark runs end to end on real Multi30k batches, feeding both models 
 No assertion here reads a clock."""
 import errno
 import json
+import os
 import re
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from transformer.devices import cpu_has_bf16_units
 from torch.utils.flop_counter import FlopCounterMode
 
 from transformer import bench
-from transformer.bench import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
+from transformer.measure import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
                                resolve_device, train_flops, train_step)
 from transformer.decoding import greedy_search
 from transformer.masking import causal_mask
@@ -214,7 +215,7 @@ def test_out_is_written_all_or_nothing(tmp_path, capsys, monkeypatch):
     def full_disk(src, dst):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(bench.os, "replace", full_disk)
+    monkeypatch.setattr(os, "replace", full_disk)                     # under atomic_write
     assert bench.main(["--json", "--out", str(out)]) == 1
     captured = capsys.readouterr()
     assert json.loads(captured.out) == {"speedup_vs_nn": 1.5, "command": f"python -m transformer bench --json --out {out}"}

@@ -264,7 +264,7 @@ def test_python_dash_m_runs_main():
 
 def test_keep_freed_memory_applies_on_glibc():
     import platform
-    from transformer.cli import keep_freed_memory
+    from transformer.cli_train import keep_freed_memory
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 

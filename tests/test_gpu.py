@@ -146,7 +146,7 @@ def test_nccl_ddp_matches_one_process(tmp_path):
 def test_bench_on_the_gpu_prints_tokens_per_second_and_mfu(capsys):
     "The benchmark on CUDA: both models timed side by side, MFU against the device's assumed peak."
     from transformer import bench
-    from transformer.bench import assumed_peak_tflops
+    from transformer.measure import assumed_peak_tflops
     assert bench.main(["--device", "cuda", "--preset", "small", "--repeats", "2", "--vocab-size", "2000",
                        "--decode-sentences", "8"]) == 0
     out = capsys.readouterr().out

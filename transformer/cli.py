@@ -4,44 +4,23 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
 import json
 import os
 import platform
-import re
-import shlex
-import signal
-import subprocess
 import sys
-import threading
-import time
 import warnings
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
-from .data import (LANGS, SPLITS, DataError, load_multi30k, read_parallel,
-                              sha256_file)
+from .data import LANGS, SPLITS, DataError, sha256_file
 from .tokens import Tokenizer
-from .model import PRESETS, Transformer, TransformerConfig
-from .training import epoch_batches, make_examples
-from .training import TrainConfig
-from .loop import average_checkpoints, train
-from .checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError,
-                                     load_checkpoint, model_from_checkpoint,
-                                     read_metrics, run_lock, RunDirectoryError,
-                                     save_checkpoint, TrainingError)
-from .devices import init_distributed
-from .evaluation import bleu_callback, evaluate, final_evaluation, score
-from .decoding import translate
+from .model import PRESETS, Transformer
+from .checkpoints import (CheckpointError, TrainingError, atomic_write,
+                                     load_checkpoint, model_from_checkpoint)
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'CLIError', 'build_parser', 'keep_freed_memory',
-           'provenance', 'load_run', 'cmd_train', 'Terminated', 'cmd_translate', 'cmd_evaluate', 'cmd_export',
-           'cmd_plot', 'cmd_attend', 'main']
+__all__ = ['VOCAB_SIZE', 'CLIError', 'build_parser', 'load_run', 'Terminated', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -96,15 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
     _train_parser(sub)
     _inference_parsers(sub)
     _export_parser(sub)
-    _add_figure_commands(sub)       # plot, attend: below
+    _add_figure_commands(sub)       # plot, attend
     # `bench` lives in appendix D (transformer.bench), which this module may not
     # import; `python -m transformer` hands it over before this parser runs. Listed
     # here so that --help names every command.
-    b = sub.add_parser("bench",
+    sub.add_parser("bench",
                        help="time a training step and greedy decoding against "
                             "torch.nn.Transformer (appendix D; python -m "
                             "transformer bench --help)", add_help=False)
-    b.set_defaults(run=lambda args: _not_here("bench"))
     return parser
 
 
@@ -165,7 +143,6 @@ def _train_parser(sub) -> None:
     t.add_argument("--threads", type=_positive(int), metavar="N",
                    help="CPU threads per process (default: torch's)")
     t.add_argument("--quiet", action="store_true", help="no progress bar")
-    t.set_defaults(run=cmd_train)
 
 
 def _hyperparameters(t) -> None:
@@ -214,7 +191,6 @@ def _inference_parsers(sub) -> None:
         if name == "translate":
             c.add_argument("text", nargs="*", metavar="TEXT",
                            help="sentences (default: one per line on stdin)")
-            c.set_defaults(run=cmd_translate)
         else:
             c.add_argument("--split", choices=SPLITS,
                            help="Multi30k split (default: test_2016_flickr)")
@@ -229,7 +205,6 @@ def _inference_parsers(sub) -> None:
             c.add_argument("--json", action="store_true", help="print one JSON object")
             c.add_argument("--output", metavar="FILE",
                            help="also write the translations, one per line, to FILE")
-            c.set_defaults(run=cmd_evaluate)
 
 
 def _export_parser(sub) -> None:
@@ -251,13 +226,51 @@ def _export_parser(sub) -> None:
                    help="which weights (default: what train picked on val)")
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
-    x.set_defaults(run=cmd_export)
 
 
 
 def _not_here(command: str) -> int:
     raise CLIError(f"{command} runs through the package entry point: python -m "
                    f"transformer {command} --help")
+
+
+def _add_figure_commands(sub) -> None:
+    "The parsers of `plot` and `attend` (build_parser calls this)."
+    p = sub.add_parser("plot", help="draw the learning curves of runs as an image",
+                       description="Draw the learning curves of one or more run "
+                                   "directories (their metrics.jsonl), overlaid: "
+                                   "training and validation loss, validation BLEU "
+                                   "by step and by wall-clock time, the learning "
+                                   "rate (appendix B.1).")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                   help="run directories written by train")
+    p.add_argument("--out", metavar="FILE", default="curves.png",
+                   help="the image; its extension names the format: .png, .svg or "
+                        ".pdf (default: curves.png)")
+    a = sub.add_parser("attend", help="draw what a model's heads attend to in a "
+                                      "sentence",
+                       description="Translate one sentence, then draw the attention "
+                                   "weights of one kind, every layer and head or "
+                                   "the ones named, with the subword pieces on the "
+                                   "axes (appendix B.1).")
+    a.add_argument("text", metavar="SENTENCE", help="the source sentence")
+    a.add_argument("--model", metavar="DIR", required=True,
+                   help="a run directory written by train, or a model directory "
+                        "written by export")
+    a.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
+                   default="chosen", help="which weights (default: chosen)")
+    a.add_argument("--kind", choices=["cross", "encoder", "decoder"], default="cross",
+                   help="cross-attention, or the encoder's or the decoder's "
+                        "self-attention (default: cross)")
+    a.add_argument("--layer", type=_positive(int), metavar="L",
+                   help="one layer, counted from 1 (default: all)")
+    a.add_argument("--head", type=_positive(int), metavar="H",
+                   help="one head, counted from 1 (default: all)")
+    a.add_argument("--beam", type=_positive(int), default=1, metavar="K",
+                   help="beam size of the translation (default: 1 = greedy)")
+    a.add_argument("--out", metavar="FILE",
+                   help="the image: .png, .svg or .pdf (default: "
+                        "attention-KIND[-layerL][-headH].png)")
 
 # %% ../book/c_commands.ipynb #c007
 def _device(name: str) -> torch.device:
@@ -269,60 +282,12 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return
-    freed memory to the operating system, so that the tensors of one training step reuse
-    the pages of the last one. Process-wide; returns False where it does not apply (not
-    glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_MAX, 0))
-                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
-    except (OSError, AttributeError):
-        return False
-
-
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     threads = torch.get_num_threads()
     return (f"cpu ({os.cpu_count()} cores, {threads} "
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
-
-
-def provenance() -> dict:
-    ("Where a result comes from: the git commit of the code (call it when the run "
-     "starts), the machine, the software.")
-    import transformer
-    here = Path(transformer.__file__).resolve().parent
-
-    def git(*args) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=here, capture_output=True,
-                                  text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip()
-                   for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    commit = git("rev-parse", "HEAD")
-    return {"git_commit": commit,
-            "git_dirty": None if commit is None else git("status", "--porcelain",
-                                                         "--untracked-files=no") != "",
-            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(),
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def _write_json(path: Path, obj) -> None:
@@ -396,594 +361,25 @@ def load_run(run_dir: str | os.PathLike, which: str = "chosen",
                        "the files come from different runs")
     return model, tokenizer, config
 
-# %% ../book/c_commands.ipynb #c009
-def _pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
-    try:
-        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
-                              download=not args.no_download,
-                              progress=not getattr(args, "quiet", False))
-    except DataError as e:  # say it in the words of the command line
-        raise DataError(str(e).replace("pass download=True",
-                                       "drop --no-download")) from None
-    return (pairs[:args.eval_sentences]
-            if getattr(args, "eval_sentences", None) and split != "train" else pairs)
-
-
-def _run_config(args, model_config: TransformerConfig,
-                train_config: TrainConfig) -> dict:
-    return {"model": model_config.to_dict(), "train": asdict(train_config),
-            "data": {"src": args.src, "tgt": args.tgt,
-                     "vocab_size": model_config.src_vocab},
-            "preset": args.preset, "seed": args.seed}
-
-
-def _check_same_run(saved: dict, now: dict, path: Path) -> None:
-    diffs = []
-    for part in ("model", "data", "train"):
-        for key, value in now[part].items():
-            if part == "train" and key in TrainConfig.RESUMABLE:
-                continue
-            if saved.get(part, {}).get(key) != value:
-                diffs.append(f"{key}={value!r} (the run has "
-                             f"{saved.get(part, {}).get(key)!r})")
-    if saved.get("seed") != now["seed"]:
-        diffs.append(f"seed={now['seed']} (the run has {saved.get('seed')!r})")
-    if diffs:
-        raise CLIError(f"--resume with a different config than {path}: "
-                       + ", ".join(diffs) +
-                       "; drop those options, or train into a new --out")
-
-
-RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt",
-             "metrics.jsonl", "results.json")
-
-
-def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
-    ("The model and training configs the flags ask for; a bad value is a one-line "
-     "error in the flags' words.")
-    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes",
-                                               "batch_tokens", "accum_steps", "warmup",
-                                               "lr_scale", "label_smoothing",
-                                               "eval_every", "log_every", "cpu_bf16",
-                                               "snapshot_every")
-                 if getattr(args, k) is not None}
-    if args.average is not None:
-        overrides["keep_checkpoints"] = args.average
-    if args.clip_norm is not None:
-        overrides["clip_norm"] = args.clip_norm or None
-    try:
-        model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size,
-                                                tgt_vocab=vocab_size,
-                                                **({"dropout": args.dropout}
-                                                   if args.dropout is not None else {}))
-        return model_config, TrainConfig.preset(args.preset, seed=args.seed,
-                                                compile=args.compile, **overrides)
-    # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
-    except ValueError as e:
-        raise CLIError(re.sub(r"^(\w+)=(\S+)",
-                              lambda m: f"--{m.group(1).replace('_', '-')} "
-                                        f"{m.group(2)}", str(e)))
-
-
-def _check_out(out: Path, args) -> None:
-    ("A fresh run needs a directory free of other runs' files; --resume needs a run "
-     "to continue.")
-    if out.exists() and not out.is_dir():
-        raise CLIError(f"--out {out} is a file, not a directory; pass a directory "
-                       "(it is created if missing)")
-    if args.resume:
-        if not (out / "last.pt").exists():
-            raise CLIError(f"--resume: {out} holds no run to resume (no last.pt)")
-        for name in ("config.json", "tokenizer.model"):
-            if not (out / name).exists():
-                raise CLIError(f"--resume: {out} has last.pt but no {name}; it is "
-                               "not a whole run directory")
-        if (out / "metrics.jsonl").exists():
-            # a cut last line is reported once, when train drops it
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                # a damaged line: an error now, before any work
-                read_metrics(out / "metrics.jsonl")
-        return
-    if (out / "last.pt").exists():
-        raise CLIError(f"{out} already holds a run; add --resume to continue it, "
-                       "or pass another --out")
-    found = ([n for n in RUN_FILES if (out / n).exists()]
-             + sorted(p.name for p in out.glob("step-*.pt")))
-    if found:
-        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) "
-                       "but no last.pt to resume; pass another --out, or delete "
-                       "those files")
-
-
-def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: int,
-                        exact: bool) -> None:
-    ("Every training pair must fit one piece of a step: batch_tokens / pieces padded "
-     "slots.")
-    if train_config.batch_tokens // pieces < longest:
-        split = (f" in each of the {pieces} pieces of a step (--accum-steps, processes)"
-                 if pieces > 1 else "")
-        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: "
-                       "the longest training pair needs "
-                       f"{'' if exact else 'at least '}{longest} tokens{split}; "
-                       f"use --batch-tokens {longest * pieces} or more (the "
-                       f"{args.preset} preset uses "
-                       f"{TrainConfig.preset(args.preset).batch_tokens})")
-
-
-def cmd_train(args) -> int:
-    if args.src == args.tgt:
-        raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
-                       "languages")
-    device = _device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    if device.type == "cpu":
-        # see "Shared helpers": the next step reuses this step's pages
-        keep_freed_memory()
-    rank, world_size, local_rank = init_distributed(device.type)
-    if device.type == "cuda":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
-    # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it
-    # saves and stops
-    try:
-        return _train(args, device, rank, world_size)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
-        if world_size > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
 
 class Terminated(KeyboardInterrupt):
     "SIGTERM arrived outside the training loop (which saves and stops instead)."
-
-
-def _terminate(signum, frame):
-    raise Terminated()
-
-
-def _train(args, device: torch.device, rank: int, world_size: int) -> int:
-    ("Check every flag, then the run directory, which process 0 holds (`run_lock`) "
-     "for the whole run.")
-    out = (Path(args.out) if args.out
-           else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}")
-    # every flag checked before any work
-    _configs(args, args.vocab_size or VOCAB_SIZE)
-    if rank != 0:
-        return _train_in(out, args, device, rank, world_size)
-    # before the lock: a refused run leaves no trace
-    _check_out(out, args)
-    created = not out.exists()
-    try:
-        with run_lock(out):
-            _check_out(out, args)
-            try:
-                return _train_in(out, args, device, rank, world_size)
-            except BaseException:
-                # no checkpoint yet: leave no stub files
-                if not args.resume and not (out / "last.pt").exists():
-                    for path in [*(out / name for name in RUN_FILES),
-                                 *out.glob("step-*.pt")]:
-                        path.unlink(missing_ok=True)
-                raise
-    finally:
-        if created:
-            with contextlib.suppress(OSError):
-                # only if empty: the run failed before writing anything
-                out.rmdir()
-
-
-def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int) -> int:
-    ("The run: data, tokenizer, config.json, the training loop, then the final "
-     "evaluation (process 0).")
-    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    train_pairs, val_pairs = (_pairs(args, "train", args.src, args.tgt),
-                              _pairs(args, "val", args.src, args.tgt))
-    tokenizer, model_config, train_config, examples = _prepare(
-        out, args, train_pairs, rank, world_size)
-    tok_path = out / "tokenizer.model"
-    run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
-    # now: the files may change while a long run goes on
-    facts = provenance()
-    torch.manual_seed(args.seed)
-    model = Transformer(model_config).to(device)
-    val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
-    say(f"{'resuming' if args.resume else 'training'} {args.preset} "
-        f"({model.num_parameters():,} parameters, "
-        f"vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} "
-        f"{args.src}->{args.tgt} pairs; {_device_name(device)}"
-        f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
-    result = train(model, examples, val_examples, train_config, out_dir=out,
-                   resume=args.resume,
-                   on_eval=bleu_callback(tokenizer, val_pairs),
-                   progress=not args.quiet, run=run)
-    if result.stopped == "interrupted":
-        signum = result.signal or signal.SIGINT
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"])])
-        print(f"{signal.Signals(signum).name} at step {result.step}: saved "
-              f"{out / 'last.pt'}; continue with: {again}",
-              file=sys.stderr)
-        # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-        return 128 + signum
-    if rank != 0:
-        return 0
-    final_start = time.perf_counter()
-    final = final_evaluation(
-        out, tokenizer, val_pairs,
-        None if args.eval_split == "val" else _pairs(args, args.eval_split, args.src,
-                                                     args.tgt),
-        beam_size=args.beam, alpha=args.alpha, average=train_config.keep_checkpoints,
-        model=model, device=device, run=run)
-    results = _results(args, final, result, train_config, device, world_size,
-                       time.perf_counter() - final_start, facts)
-    _write_json(out / "results.json", results)
-    _report(say, args, final, result, results)
-    return 0
-
-
-def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
-    """The tokenizer (trained, or the run's own on --resume), the configs and the
-    training examples, each checked before the next; config.json written."""
-    model_config, train_config = _configs(args, args.vocab_size or VOCAB_SIZE)
-    pieces = world_size * train_config.accum_steps
-    # a piece per word at least
-    words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]
-    # before the tokenizer: a hopeless budget fails at once
-    _check_batch_tokens(args, train_config,
-                        max((w for w in words if w <= model_config.max_len), default=0),
-                        pieces, exact=False)
-    tok_path = out / "tokenizer.model"
-    if args.resume:
-        _check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
-    else:
-        if rank == 0:
-            Tokenizer.train([s for pair in train_pairs for s in pair],
-                            args.vocab_size or VOCAB_SIZE).save(tok_path)
-        if world_size > 1:
-            dist.barrier()
-    tokenizer = Tokenizer.load(tok_path)
-    V = tokenizer.vocab_size
-    if args.resume and args.vocab_size not in (None, V):
-        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's "
-                       f"vocabulary is fixed by its {tok_path} ({V} pieces); drop "
-                       "--vocab-size")
-    model_config, train_config = _configs(args, V)
-    examples = make_examples(tokenizer, train_pairs, model_config.max_len)
-    _check_batch_tokens(args, train_config,
-                        max(max(len(s), len(t)) for s, t in examples), pieces,
-                        exact=True)
-    run_config = _run_config(args, model_config, train_config)
-    if args.resume:
-        _check_same_run(json.loads((out / "config.json").read_text()), run_config,
-                        out / "config.json")
-    elif rank == 0:
-        _write_json(out / "config.json", run_config)
-    return tokenizer, model_config, train_config, examples
-
-
-_SCORES = ("bleu", "bleu_lc_tok", "chrf")
-
-
-def _results(args, final: dict, result, train_config: TrainConfig, device,
-             world_size: int, final_seconds: float, provenance: dict) -> dict:
-    "What results.json records of a finished run."
-    test = final["test"]
-    return {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
-            "chrf": test["chrf"],
-            "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
-            "checkpoint": final["checkpoint"], "averaged": final["averaged"],
-            "greedy": {k: final["greedy"][k] for k in _SCORES},
-            "val": {k: final["val"][k] for k in _SCORES},
-            "val_by_checkpoint": {name: {k: s[k] for k in _SCORES}
-                                  for name, s in final["val_by_checkpoint"].items()},
-            "final_eval_seconds": final_seconds,
-            "train_seconds": result.train_seconds,
-            "eval_seconds": result.eval_seconds,
-            "tokens_per_second": result.tokens_per_second,
-            "steps": result.step, "epochs": round(result.epochs, 3),
-            "stopped": result.stopped,
-            "best_step": (result.best or {}).get("step"),
-            "device": _device_name(device),
-            "world_size": world_size, "torch": torch.__version__,
-            "params": final["model"].num_parameters(),
-            "preset": args.preset, "src": args.src, "tgt": args.tgt,
-            "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
-            "train_config": asdict(train_config),
-            "command": "python -m transformer " + " ".join(args.argv), **provenance,
-            "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def _report(say, args, final: dict, result, results: dict) -> None:
-    "The last lines `train` prints."
-    say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
-        f"({result.eval_seconds / 60:.1f} of them validating), "
-        f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
-        f"from step {results['best_step']}")
-    on_val = final["val_by_checkpoint"]
-    if len(on_val) > 1:
-        say("val BLEU by checkpoint: "
-            + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
-            f"; using {final['checkpoint']}.pt")
-    for name, s in (("val", final["val"]),
-                    (args.eval_split, final["test"]))[
-                        : 1 if args.eval_split == "val" else 2]:
-        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam})")
-
-# %% ../book/c_commands.ipynb #c011
-def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
-    device = _device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return load_run(args.model, args.checkpoint, device)
-
-
-def _input_lines(args) -> list[str]:
-    ("The sentences to translate: the arguments, else stdin's lines; UTF-8 checked, "
-     "with the place of a bad byte.")
-    if args.text:
-        for i, text in enumerate(args.text, start=1):
-            try:
-                text.encode("utf-8")
-            # undecodable bytes in argv arrive as lone surrogates
-            except UnicodeEncodeError:
-                raise CLIError(f"argument {i} is not valid UTF-8 text; pass UTF-8 "
-                               "(convert with iconv -t utf-8)") from None
-        return list(args.text)
-    raw = getattr(sys.stdin, "buffer", None)
-    lines = []
-    for number, line in enumerate(raw if raw is not None else sys.stdin, start=1):
-        if isinstance(line, bytes):
-            try:
-                line = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CLIError(f"stdin line {number} is not valid UTF-8 (byte "
-                               f"{line[e.start:e.start + 1]!r} at column "
-                               f"{e.start + 1}); convert it, e.g. iconv -f latin1 "
-                               "-t utf-8") from None
-        lines.append(line.rstrip("\r\n"))
-    return lines
-
-
-def cmd_translate(args) -> int:
-    # checked before the model loads
-    texts = _input_lines(args)
-    if not any(t.strip() for t in texts):
-        raise CLIError("no input: pass sentences as arguments, or pipe them to "
-                       "stdin one per line")
-    model, tokenizer, _ = _setup_inference(args)
-    for line in translate(model, tokenizer, [t.strip() for t in texts],
-                          beam_size=args.beam, alpha=args.alpha):
-        print(line)
-    return 0
-
-
-def cmd_evaluate(args) -> int:
-    if (args.src_file is None) != (args.ref_file is None):
-        raise CLIError("--src-file and --ref-file go together: pass both, or "
-                       "neither and --split")
-    if args.src_file and args.split:
-        raise CLIError("pass either --split or --src-file/--ref-file, not both")
-    if args.output and (Path(args.output).is_dir()
-                        or not Path(args.output).resolve().parent.is_dir()):
-        raise CLIError(f"--output {args.output}: name a file in an existing directory")
-    # the files are read before the model loads: a bad one fails at once
-    if args.src_file:
-        pairs, where = (read_parallel(args.src_file, args.ref_file),
-                        f"{args.src_file} -> {args.ref_file}")
-    model, tokenizer, config = _setup_inference(args)
-    if not args.src_file:
-        data = config.get("data", {})
-        if "src" not in data or "tgt" not in data:
-            raise CLIError(f"{args.model}/config.json does not say the languages; "
-                           "use --src-file/--ref-file")
-        split = args.split or "test_2016_flickr"
-        pairs = _pairs(args, split, data["src"], data["tgt"])
-        where = f"{split} ({data['src']}->{data['tgt']})"
-    pairs = pairs[:args.limit] if args.limit else pairs
-    if args.output:
-        hyps = translate(model, tokenizer, [src for src, _ in pairs],
-                         beam_size=args.beam, alpha=args.alpha)
-        atomic_write(args.output, lambda f: f.write("".join(h + "\n" for h in hyps)),
-                     mode="w")
-        s = score(hyps, [ref for _, ref in pairs])
-    else:
-        s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)
-    if args.json:
-        print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"],
-                          "chrf": s["chrf"], "data": where,
-                          "sentences": len(pairs), "beam": args.beam,
-                          "alpha": args.alpha,
-                          "signatures": s["signatures"]}))
-    else:
-        print(f"{where}, {len(pairs)} sentences, beam {args.beam}: BLEU "
-              f"{s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-              f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
-    return 0
-
-
-def _converted(state: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
-    ("The floating tensors in `dtype`; tensors that share storage (tied embeddings) "
-     "still share it, so are stored once.")
-    done: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in state.items():
-        if dtype is not None and v.is_floating_point():
-            key = v.untyped_storage().data_ptr()
-            v = (done[key] if key in done and done[key].shape == v.shape
-                 else done.setdefault(key, v.detach().to(dtype)))
-        out[k] = v.detach()
-    return out
-
-
-def cmd_export(args) -> int:
-    """Write a run's chosen weights as a small model directory that `translate` and
-    `evaluate` read: the weights in half precision (`--half`, the default; about half
-    the bytes, the same translations up to rounding), the run's tokenizer.model and
-    config.json, and a results.json that names the source run, its scores and the
-    sha256 of the weights file."""
-    out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
-                       "new directory")
-    run_dir = Path(args.model)
-    which = _chosen(run_dir) if args.checkpoint == "chosen" else args.checkpoint
-    model, tokenizer, config = load_run(run_dir, which)
-    state = {"format": CHECKPOINT_FORMAT,
-             "model_config": model.config.to_dict(),
-             "model": _converted(model.state_dict(),
-                                 torch.float16 if args.half else None),
-             "run": {"tokenizer_sha256": sha256_file(run_dir / "tokenizer.model")},
-             "progress": {"exported_from": f"{run_dir.name}/{which}.pt"}}
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        atomic_write(out / "best.pt", lambda f: torch.save(state, f))
-        weights_sha256 = sha256_file(out / "best.pt")
-        atomic_write(out / "tokenizer.model",
-                     lambda f: f.write((run_dir / "tokenizer.model").read_bytes()))
-        _write_json(out / "config.json", config)
-        try:
-            source = json.loads((run_dir / "results.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            source = {}
-        keep = ("bleu", "bleu_lc_tok", "chrf", "split", "beam", "alpha", "greedy",
-                "val", "steps", "command", "git_commit", "cpu", "threads", "torch",
-                "started_utc", "finished_utc", "params")
-        _write_json(out / "results.json", {
-            "checkpoint": "best", "exported_from": str(run_dir),
-            "source_checkpoint": f"{which}.pt",
-            "dtype": "float16" if args.half else "float32",
-            "weights_sha256": weights_sha256,
-            "tokenizer_sha256": state["run"]["tokenizer_sha256"],
-            "source_results": {k: source[k] for k in keep if k in source}})
-    except BaseException:
-        for name in ("best.pt", "tokenizer.model", "config.json", "results.json"):
-            (out / name).unlink(missing_ok=True)
-        raise
-    size = (out / "best.pt").stat().st_size
-    print(f"wrote {out}: {which}.pt of {run_dir} as "
-          f"{'float16' if args.half else 'float32'} weights ({size / 2**20:.1f} "
-          f"MiB, sha256 {weights_sha256[:12]}…), tokenizer.model, "
-          "config.json, results.json")
-    return 0
-
-# %% ../book/c_commands.ipynb #c011b
-def _add_figure_commands(sub) -> None:
-    "The parsers of `plot` and `attend` (build_parser calls this)."
-    p = sub.add_parser("plot", help="draw the learning curves of runs as an image",
-                       description="Draw the learning curves of one or more run "
-                                   "directories (their metrics.jsonl), overlaid: "
-                                   "training and validation loss, validation BLEU "
-                                   "by step and by wall-clock time, the learning "
-                                   "rate (appendix B.1).")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="run directories written by train")
-    p.add_argument("--out", metavar="FILE", default="curves.png",
-                   help="the image; its extension names the format: .png, .svg or "
-                        ".pdf (default: curves.png)")
-    p.set_defaults(run=cmd_plot)
-    a = sub.add_parser("attend", help="draw what a model's heads attend to in a "
-                                      "sentence",
-                       description="Translate one sentence, then draw the attention "
-                                   "weights of one kind, every layer and head or "
-                                   "the ones named, with the subword pieces on the "
-                                   "axes (appendix B.1).")
-    a.add_argument("text", metavar="SENTENCE", help="the source sentence")
-    a.add_argument("--model", metavar="DIR", required=True,
-                   help="a run directory written by train, or a model directory "
-                        "written by export")
-    a.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
-                   default="chosen", help="which weights (default: chosen)")
-    a.add_argument("--kind", choices=["cross", "encoder", "decoder"], default="cross",
-                   help="cross-attention, or the encoder's or the decoder's "
-                        "self-attention (default: cross)")
-    a.add_argument("--layer", type=_positive(int), metavar="L",
-                   help="one layer, counted from 1 (default: all)")
-    a.add_argument("--head", type=_positive(int), metavar="H",
-                   help="one head, counted from 1 (default: all)")
-    a.add_argument("--beam", type=_positive(int), default=1, metavar="K",
-                   help="beam size of the translation (default: 1 = greedy)")
-    a.add_argument("--out", metavar="FILE",
-                   help="the image: .png, .svg or .pdf (default: "
-                        "attention-KIND[-layerL][-headH].png)")
-    a.set_defaults(run=cmd_attend)
-
-
-def _plots():
-    "transformer.plots (appendix B.1), imported when a figure is asked for."
-    try:
-        from transformer import plots
-    except ImportError as e:
-        raise CLIError(f"plot and attend need matplotlib ({e}); pip install "
-                       "matplotlib") from None
-    return plots
-
-
-def _image_out(out: str) -> Path:
-    "Check --out before any work: an image extension, in a directory we can write."
-    path = Path(out)
-    if path.is_dir():
-        raise CLIError(f"--out {path} is a directory; name an image file in it, "
-                       f"e.g. {path / 'figure.png'}")
-    try:
-        _plots().image_format(path)
-    except ValueError as e:
-        raise CLIError(f"--out {e}") from None
-    if not path.parent.is_dir():
-        raise CLIError(f"--out {path}: there is no directory {path.parent}; create "
-                       "it first")
-    if not os.access(path.parent, os.W_OK) or (path.exists()
-                                               and not os.access(path, os.W_OK)):
-        raise CLIError(f"--out {path}: cannot write there; pick a writable place")
-    return path
-
-
-def _save(fig, path: Path) -> None:
-    try:
-        _plots().save_figure(fig, path)
-    except OSError as e:
-        raise CLIError(f"--out {path}: could not write it "
-                       f"({(e.strerror or str(e)).lower()})") from None
-
-
-def cmd_plot(args) -> int:
-    plots = _plots()
-    out = _image_out(args.out)
-    runs = plots.read_runs(args.runs)
-    _save(plots.learning_curves(runs), out)
-    print(f"wrote {out}: learning curves of {', '.join(runs)}")
-    return 0
-
-
-def cmd_attend(args) -> int:
-    plots = _plots()
-    if not args.text.strip():
-        raise CLIError("no sentence: pass the sentence to translate, in quotes")
-    name = "-".join(["attention", args.kind]
-                    + [f"{what}{n}" for what, n in (("layer", args.layer),
-                                                    ("head", args.head)) if n])
-    out = _image_out(args.out or f"{name}.png")
-    model, tokenizer, _ = load_run(args.model, args.checkpoint)
-    for what, n, have in (("layer", args.layer, model.config.n_layers),
-                          ("head", args.head, model.config.h)):
-        if n is not None and n > have:
-            raise CLIError(f"--{what} {n}: the model has {have} {what}s; pass 1 to "
-                           f"{have}")
-    weights = plots.attention_weights(model, tokenizer, args.text, args.beam)
-    _save(plots.attention_maps(weights, args.kind, args.layer, args.head), out)
-    print(f"wrote {out}: {plots.KINDS[args.kind]} of {weights.sentence!r} -> "
-          f"{weights.translation!r}")
-    return 0
 
 # %% ../book/c_commands.ipynb #c013
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text or type(e).__name__
+
+
+def _run(args) -> int:
+    """The command's function, from the section that builds it: `train` in C.1, the
+    others in C.2 (imported here, when a command runs: they import this module)."""
+    from transformer import cli_train, cli_use
+    commands = {"train": cli_train.cmd_train, "translate": cli_use.cmd_translate,
+                "evaluate": cli_use.cmd_evaluate, "export": cli_use.cmd_export,
+                "plot": cli_use.cmd_plot, "attend": cli_use.cmd_attend,
+                "bench": lambda args: _not_here("bench")}
+    return commands[args.command](args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -996,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
-        return args.run(args)
+        return _run(args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     except CLIError as e:

@@ -14,7 +14,7 @@ from .blocks import Decoder, Dropout, Encoder
 from .masking import padding_mask, decoder_mask
 
 # %% auto #0
-__all__ = ['PRESETS', 'TransformerConfig', 'Transformer']
+__all__ = ['PRESETS', 'TransformerConfig', 'config_from_dict', 'Transformer']
 
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {
@@ -93,12 +93,18 @@ class TransformerConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransformerConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown TransformerConfig fields {sorted(unknown)}; "
-                             f"known fields: {sorted(known)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
+
+
+def config_from_dict(cls, d: dict):
+    """`cls(**d)` for a config dataclass, an unknown field refused by name: the one
+    `from_dict` of every config (this one, and chapter 8's `TrainConfig`)."""
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; "
+                         f"known fields: {sorted(known)}")
+    return cls(**d)
 
 # %% ../book/07_1_model.ipynb #c010
 class Transformer(nn.Module):

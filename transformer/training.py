@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +13,7 @@ from torch import nn
 
 from .tokens import PAD, BOS, EOS, Tokenizer, token_batches, pad_batch
 from .masking import teacher_forcing
-from .model import Transformer, TransformerConfig
+from .model import Transformer, config_from_dict
 
 # %% auto #0
 __all__ = ['TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'TrainConfig', 'fused_smoothed_cross_entropy', 'cross_entropy_sums']
@@ -231,11 +231,7 @@ class TrainConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known
-        if unknown:
-            raise ValueError(f"unknown TrainConfig fields {sorted(unknown)}")
-        return cls(**d)
+        return config_from_dict(cls, d)
 
 # %% ../book/d_performance.ipynb #c010b
 class _FusedSmoothedCrossEntropy(torch.autograd.Function):
