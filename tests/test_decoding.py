@@ -215,3 +215,91 @@ def test_the_cached_step_runs_the_decoder_layers_own_sublayers(monkeypatch):
     calls.clear()
     model(src, src)
     assert calls == [5, 5]                                            # training: the whole target, same code
+
+
+# --- beam search on the device = the host-side beam search it replaced --------------------------
+
+from transformer.decoding import _output_limits, _start, _until_eos  # noqa: E402
+from transformer.tokens import BOS as _BOS  # noqa: E402
+import math  # noqa: E402
+
+
+
+@torch.no_grad()
+def _host_beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
+                alpha: float = 0.6, extra_len: int = 50,
+                cache: bool = True) -> list[list[int]]:
+    ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
+     "B lists of output ids.")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
+    if not alpha >= 0:
+        raise ValueError(f"alpha={alpha!r} must be >= 0")
+    limits = _output_limits(model, src, extra_len)
+    K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
+    # encoder once, K rows per sentence
+    state = _start(model, src, K, cache, max(limits))
+    ys = torch.full((B * K, 1), _BOS, dtype=torch.long, device=device)    # (B*K, 1)
+    # (B, K) log P of each hypothesis
+    scores = torch.full((B, K), -math.inf, device=device)
+    scores[:, 0] = 0.0  # one live hypothesis at the start
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
+    done = [False] * B
+    for t in range(max(limits)):
+        logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
+        V = logp.size(-1)
+        cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
+        top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
+        top, beam, token = top.tolist(), (flat // V).tolist(), (flat % V).tolist()
+        lp = length_penalty(t + 1, alpha)
+        rows, tokens, new_scores = [], [], []
+        for b in range(B):
+            keep = []
+            if not done[b]:
+                for j, (s, k, w) in enumerate(zip(top[b], beam[b], token[b])):
+                    if s == -math.inf:
+                        break
+                    if w == EOS:
+                        if j < K:                  # EOS among the top K: finished
+                            finished[b].append((s / lp, ys[b * K + k, 1:].tolist()))
+                    elif len(keep) < K:
+                        keep.append((k, w, s))
+                if t + 1 >= limits[b]:            # out of room: the beam ends here
+                    finished[b] += [(s / lp, ys[b * K + k, 1:].tolist() + [w])
+                                    for k, w, s in keep]
+                    keep = []
+                done[b] = len(finished[b]) >= K or not keep
+            # idle rows of finished sentences
+            keep += [(0, pad, -math.inf)] * (K - len(keep))
+            rows += [b * K + k for k, _, _ in keep]
+            tokens += [w for _, w, _ in keep]
+            new_scores += [s for _, _, s in keep]
+        if all(done):
+            break
+        ys = torch.cat([ys[rows], torch.tensor(tokens, device=device)[:, None]],
+                       dim=1)                                            # (B*K, t+2)
+        state.reorder(rows)
+        scores = torch.tensor(new_scores, device=device).view(B, K)
+    return [_until_eos(max(f, key=lambda x: x[0])[1]) if f else [] for f in finished]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_beam_search_on_the_device_equals_the_host_version_it_replaced(seed):
+    "Same outputs as the per-sentence Python loop it replaced: EOS in the top K, the length limit, ties."
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    vocab = [6, 12, 40][seed % 3]                    # a small vocabulary makes EOS frequent
+    model = Transformer(TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, d_ff=64, h=4,
+                                          n_layers=2, dropout=0.0, max_len=64,
+                                          norm_first=bool(seed % 2))).eval()
+    src = torch.randint(4, vocab, (7, 9), generator=g)
+    src[1, 4:], src[5, 2:] = PAD, PAD
+    for K, alpha, extra in [(1, 0.6, 5), (3, 0.0, 4), (4, 0.6, 8), (5, 1.5, 0)]:
+        assert beam_search(model, src, K, alpha, extra) == _host_beam_search(model, src, K, alpha, extra), \
+            (K, alpha, extra)
+
+
+def test_beam_search_on_the_device_equals_the_host_version_on_the_trained_copier(copier):
+    src, _ = pad_batch([s for s, _ in copy_examples(40, seed=11)])
+    for K in (2, 4):
+        assert beam_search(copier, src, K) == _host_beam_search(copier, src, K)

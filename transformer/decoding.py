@@ -110,7 +110,7 @@ class PrefixDecoder:
                                    mask)                    # (N, t+1, d_model)
         return self.model.generator(hidden[:, -1])
 
-    def reorder(self, rows: list[int]) -> None:
+    def reorder(self, rows: torch.Tensor | list[int]) -> None:
         ("Rows of the next step come from these rows (beam search); "
          "nothing is cached here.")
 
@@ -147,10 +147,10 @@ class CachedDecoder:
                 lambda z: _attend(layer.cross_attn, z, mk, mv, self.src_mask))
         return m.generator(m.decoder.norm(y)[:, -1])         # (N, V)
 
-    def reorder(self, rows: list[int]) -> None:
+    def reorder(self, rows: torch.Tensor | list[int]) -> None:
         ("Beam search re-ordered the rows: the caches follow "
          "(the memory's rows are the same).")
-        index = torch.tensor(rows, device=self.memory_kv[0][0].device)
+        index = torch.as_tensor(rows, device=self.memory_kv[0][0].device)
         for cache in self.caches:
             cache.reorder(index)
 
@@ -202,48 +202,65 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
     K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
     # encoder once, K rows per sentence
     state = _start(model, src, K, cache, max(limits))
+    limit = torch.tensor(limits, device=device)                          # (B,)
     ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
-    # (B, K) log P of each hypothesis
+    # (B, K) log P of each hypothesis; one live hypothesis at the start
     scores = torch.full((B, K), -math.inf, device=device)
-    scores[:, 0] = 0.0  # one live hypothesis at the start
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(B)]
-    done = [False] * B
+    scores[:, 0] = 0.0
+    # the best finished hypothesis of each sentence: normalised score and tokens
+    best = torch.full((B,), -math.inf, dtype=torch.float64, device=device)
+    best_ys = torch.full((B, max(limits)), pad, dtype=torch.long, device=device)
+    ended = torch.zeros(B, dtype=torch.long, device=device)   # hypotheses finished
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    first_row = torch.arange(B, device=device)[:, None] * K              # (B, 1)
     for t in range(max(limits)):
         logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
         V = logp.size(-1)
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
         top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
-        top, beam, token = top.tolist(), (flat // V).tolist(), (flat % V).tolist()
-        lp = length_penalty(t + 1, alpha)
-        rows, tokens, new_scores = [], [], []
-        for b in range(B):
-            keep = []
-            if not done[b]:
-                for j, (s, k, w) in enumerate(zip(top[b], beam[b], token[b])):
-                    if s == -math.inf:
-                        break
-                    if w == EOS:
-                        if j < K:                  # EOS among the top K: finished
-                            finished[b].append((s / lp, ys[b * K + k, 1:].tolist()))
-                    elif len(keep) < K:
-                        keep.append((k, w, s))
-                if t + 1 >= limits[b]:            # out of room: the beam ends here
-                    finished[b] += [(s / lp, ys[b * K + k, 1:].tolist() + [w])
-                                    for k, w, s in keep]
-                    keep = []
-                done[b] = len(finished[b]) >= K or not keep
-            # idle rows of finished sentences
-            keep += [(0, pad, -math.inf)] * (K - len(keep))
-            rows += [b * K + k for k, _, _ in keep]
-            tokens += [w for _, w, _ in keep]
-            new_scores += [s for _, _, s in keep]
-        if all(done):
+        beam, token = flat // V, flat % V
+        keep, finish = _beam_step(top, token, done, t + 1 >= limit, K)
+        # the best hypothesis that finished now; a tie keeps the earlier one
+        now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
+               ).masked_fill(~finish, -math.inf)                         # (B, 4K)
+        now_best, at = now.max(-1)
+        better = now_best > best
+        prefix = ys[(first_row + beam).gather(1, at[:, None] % top.size(1)).squeeze(1)]
+        last = torch.where(at >= top.size(1), token.gather(
+            1, at[:, None] % top.size(1)).squeeze(1), pad)  # an EOS is not kept
+        best_ys[:, :t + 1] = torch.where(
+            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
+            best_ys[:, :t + 1])
+        best = torch.where(better, now_best, best)
+        ended += finish.sum(-1)
+        done |= (ended >= K) | ~keep.any(-1)
+        if bool(done.all()):
             break
-        ys = torch.cat([ys[rows], torch.tensor(tokens, device=device)[:, None]],
-                       dim=1)                                            # (B*K, t+2)
+        # the kept extensions fill each sentence's K rows in order; the rest idle
+        slot = torch.where(keep, keep.long().cumsum(-1) - 1, K)          # (B, 2K)
+        new = [torch.full((B, K + 1), fill, dtype=x.dtype, device=device
+                          ).scatter_(1, slot, x)[:, :K].contiguous()
+               for x, fill in ((beam, 0), (token, pad), (top, -math.inf))]
+        rows = (first_row + new[0]).view(-1)                             # (B*K,)
+        ys = torch.cat([ys[rows], new[1].view(-1, 1)], dim=1)            # (B*K, t+2)
         state.reorder(rows)
-        scores = torch.tensor(new_scores, device=device).view(B, K)
-    return [_until_eos(max(f, key=lambda x: x[0])[1]) if f else [] for f in finished]
+        scores = new[2]
+    return [_until_eos(row) if score > -math.inf else []
+            for row, score in zip(best_ys.tolist(), best.tolist())]
+
+
+def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
+               full: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the 2K best extensions (B, 2K) of each sentence go on (`keep`: the K
+    best that are not EOS, none once the output is `full`) and which finish (B, 4K):
+    an EOS among the top K, then, when the output is full, the kept ones."""
+    live = torch.isfinite(top) & ~done[:, None]
+    eos = live & (token == EOS)
+    keep = live & ~eos
+    keep &= keep.long().cumsum(-1) <= K
+    first_k = torch.arange(top.size(1), device=top.device) < K
+    at_limit = keep & full[:, None]
+    return keep & ~full[:, None], torch.cat([eos & first_k, at_limit], 1)
 
 # %% ../book/09_decoding.ipynb #c013
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
