@@ -76,16 +76,17 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     rank, world_size = world()
     was_training = model.training
     criterion = Seq2SeqLoss(model, epsilon).eval()
-    total = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, tokens
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss, NLL
+    n = 0                                                       # real target tokens
     pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
                            batch_tokens, shuffle=False)
     for piece in pieces[rank::world_size]:
         with precision.autocast():
             loss, nll = criterion(*collate(examples, piece, device))
-        n = sum(len(examples[i][1]) - 1 for i in piece)
-        total += torch.stack([loss.double(), nll.double(), loss.new_tensor(n).double()])
+        n += sum(len(examples[i][1]) - 1 for i in piece)
+        total += torch.stack([loss.double(), nll.double()])
     model.train(was_training)
-    loss, nll, n = all_sum(total).tolist()
+    loss, nll, n = all_sum(torch.cat([total, total.new_full((1,), n)])).tolist()
     return {"val_loss": loss / n, "val_nll": nll / n,
             "val_ppl": math.exp(min(nll / n, 50.0))}
 
@@ -283,7 +284,8 @@ class _Loop:
         first = bad & (self.window[2] == 0)
         w = self.window
         w[:3] += torch.cat([sums, bad.double()[None]])
-        w[3:] = torch.where(first, torch.stack([w.new_tensor(self.at["step"]), sums[0],
+        # new_full: a fill kernel; new_tensor would copy from host memory and wait
+        w[3:] = torch.where(first, torch.stack([w.new_full((), self.at["step"]), sums[0],
                                                 self.grad_norm.double()]), w[3:])
         return lr
 
