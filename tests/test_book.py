@@ -217,3 +217,16 @@ def test_no_control_characters(chapter):
             bad = CONTROL.search(text)
             assert bad is None, f"{chapter}, cell {cell.get('id')}: control character {bad.group()!r} in " \
                                 f"{text[max(0, bad.start() - 30):bad.start() + 10]!r}"
+
+
+def test_every_notebook_page_has_colab_binder_and_download_buttons(built_book):
+    "The launch menu and the download button on every chapter page (from _config.yml's one repository url)."
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo = config["repository"]["url"].removeprefix("https://github.com/")
+    branch = config["repository"]["branch"]
+    for chapter in CHAPTERS:
+        html = (built_book / f"{chapter}.html").read_text()
+        notebook = f"{chapter}.ipynb"
+        assert f"https://colab.research.google.com/github/{repo}/blob/{branch}/{notebook}" in html, chapter
+        assert f"https://mybinder.org/v2/gh/{repo}/{branch}?urlpath=" in html and notebook in html, chapter
+        assert f"_sources/{chapter}.ipynb" in html, f"{chapter}: no download link to its notebook"
