@@ -122,18 +122,46 @@ def test_some_chapters_have_charts():
     assert len(CHART_PAGES) >= 5, f"expected interactive figures in most chapters, found them in {CHART_PAGES}"
 
 
-@pytest.mark.parametrize("chapter", CHART_PAGES)
-def test_charts_render_offline_in_a_browser(browser, built_book, chapter, tmp_path):
-    page = built_book / f"{chapter}.html"
-    n_charts = len(_chart_specs(ROOT / f"{chapter}.ipynb"))
-    dom = _render(page, tmp_path, browser)
+def _render_logged(page: Path, profile: Path, browser: str, dark: bool) -> tuple[str, list[str]]:
+    "The page's DOM after its scripts ran, and the messages its JavaScript logged (light or dark mode)."
+    flags = [*CHROME_FLAGS, "--enable-logging=stderr", "--v=0", *(["--force-dark-mode"] if dark else [])]
+    result = subprocess.run([browser, *flags, f"--user-data-dir={profile}", page.as_uri()],
+                            capture_output=True, text=True, timeout=120)
+    assert "<body" in result.stdout, f"the browser returned no page for {page}:\n{result.stderr[-2000:]}"
+    console = [line.split("] ", 1)[-1] for line in result.stderr.splitlines() if ":CONSOLE" in line]
+    return result.stdout, console
+
+
+PAGES = ["book/index", *CHAPTERS]
+
+
+@pytest.mark.parametrize("mode", ["light", "dark"])
+@pytest.mark.parametrize("page", PAGES)
+def test_every_page_in_a_browser(browser, built_book, page, mode, tmp_path):
+    """Every page, in the theme's light and dark mode, offline: no script that failed to load, no
+    JavaScript error, every chart rendered, every formula typeset, every image there; in dark mode
+    the charts sit on an opaque light card."""
+    html_path = built_book / f"{page}.html"
+    dom, console = _render_logged(html_path, tmp_path, browser, dark=mode == "dark")
     assert "Error loading script" not in dom
+    errors = [m for m in console if "Uncaught" in m or "Error" in m or "Failed to load" in m]
+    assert not errors, f"{page} ({mode}): JavaScript errors {errors}"
+    assert f'data-theme="{mode}"' in dom.split("<body", 1)[0], f"{page}: the theme did not switch to {mode}"
+    n_charts = len(_chart_specs(ROOT / f"{page}.ipynb")) if page != "book/index" else 0
     charts = re.findall(r'<div id="vis-[^"]+" class="book-chart[^"]*"[^>]*>(.*?)</div>\s*<script', dom, re.S)
-    assert len(charts) == n_charts, f"{chapter}: {n_charts} charts stored, {len(charts)} on the page"
+    assert len(charts) == n_charts, f"{page}: {n_charts} charts stored, {len(charts)} on the page"
     failed = {i: re.sub(r"<[^>]+>", "", inner)[:200] for i, inner in enumerate(charts)
               if "<svg" not in inner and "<canvas" not in inner}
-    assert not failed, f"{chapter}: charts did not render (no svg/canvas in their container): {failed}"
-
+    assert not failed, f"{page}: charts did not render (no svg/canvas in their container): {failed}"
+    loads_vega = re.search(r'<script[^>]+src="[^"]*vega-bundle\.js', dom) is not None
+    assert loads_vega == (n_charts > 0), f"{page}: the vega bundle belongs on chart pages only"
+    n_math = dom.count('class="math')
+    assert dom.count("<mjx-container") >= n_math, f"{page}: MathJax did not typeset every formula"
+    for src in re.findall(r'<img[^>]+src="([^"]+)"', dom):
+        if not src.startswith(("data:", "http")):
+            assert (html_path.parent / src.split("?")[0]).resolve().is_file(), f"{page}: broken image {src}"
+    if mode == "dark" and n_charts:
+        assert "book-charts.css" in dom                              # the card behind each chart
 
 
 @pytest.mark.parametrize("ci", [None, "true", "1", "false", "0"])

@@ -2,12 +2,17 @@
 
 - Vega, Vega-Lite and Vega-Embed: altair's default HTML loads them from a CDN. The book's charts
   (see `transformer.viz`) call the global `vegaEmbed` instead; this extension writes the
-  libraries, bundled by vl-convert, to `_static/vega-bundle.js` at build time and adds it to every
-  page. The bundle is wrapped in a function so that its top-level names do not clash with
+  libraries, bundled by vl-convert, to `_static/vega-bundle.js` at build time and adds it to the
+  pages that have a chart (about 1 MB that the other pages do not load). The bundle is wrapped in a function so that its top-level names do not clash with
   Sphinx's own globals; it exports only `vega`, `vegaLite` and `vegaEmbed` on `window`.
 - MathJax 3: Sphinx loads it from a CDN by default. We copy the files of the
   `django-static-mathjax` wheel (a plain copy of MathJax 3, no Django needed) into
   `_static/mathjax` and point `mathjax_path` there.
+- Charts in the theme's dark mode: an opaque light card behind each chart (`book-charts.css`),
+  since a chart's dark labels on a transparent background would vanish on a dark page.
+- MathJax on every page, since the sidebar's chapter titles hold math.
+- sphinx-thebe adds its configuration script twice to every page (a JavaScript error:
+  "Identifier 'THEBE_JS_URL' has already been declared"): each page keeps one copy.
 """
 import shutil
 from pathlib import Path
@@ -33,6 +38,7 @@ def _write_static(app, exception):
 
     static = Path(app.outdir) / "_static"
     static.mkdir(parents=True, exist_ok=True)
+    (static / CSS).write_text(DARK, encoding="utf-8")
     (static / BUNDLE).write_text("(function () {\n" + vl_convert.javascript_bundle() + "\n})();\n",
                                  encoding="utf-8")
     # the speech-rule engine (sre) is only for optional accessibility exploration: leave it out
@@ -40,8 +46,38 @@ def _write_static(app, exception):
                     ignore=shutil.ignore_patterns("sre", "*-full*.js", "node-main.js"))
 
 
+CSS = "book-charts.css"
+DARK = """/* the theme's dark mode: charts keep their light colours on an opaque card */
+html[data-theme="dark"] .book-chart {
+  background: #ffffff;
+  border-radius: 6px;
+  padding: 6px;
+  display: inline-block;
+}
+"""
+
+
+def _page_scripts(app, pagename, templatename, context, doctree):
+    "The vega bundle only where a chart is; each inline script once."
+    scripts, seen, kept = context.get("script_files", []), set(), []
+    has_chart = 'class="book-chart' in context.get("body", "")   # a chart, not its mention
+    for script in scripts:
+        name = str(getattr(script, "filename", script) or "")  # None and "": inline
+        key = (name, tuple(sorted(getattr(script, "attributes", {}).items())))
+        if (name.endswith(BUNDLE) and not has_chart) or key in seen:
+            continue
+        seen.add(key)
+        kept.append(script)
+    scripts[:] = kept
+
+
 def setup(app):
     app.add_js_file(BUNDLE)  # a classic script in <head>: loaded before any chart's inline script
+    app.add_css_file(CSS)
+    # MathJax on every page: the sidebar's chapter titles hold math (3. ... $\\sqrt{d_k}$), and
+    # Sphinx would load MathJax only where the page body has some
+    app.set_html_assets_policy("always")
+    app.connect("html-page-context", _page_scripts)
     app.connect("config-inited", _use_local_mathjax)
     app.connect("build-finished", _write_static)
     return {"version": "1.1", "parallel_read_safe": True, "parallel_write_safe": True}
