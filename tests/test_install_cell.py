@@ -1,0 +1,86 @@
+"""The guarded install cell at the top of every notebook: the package from the repository that
+_config.yml names, installed only where it is missing (Colab, Binder), a no-op here and under nbval."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
+TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
+NOTEBOOKS = [c["file"] for p in TOC["parts"] for c in p["chapters"]] + \
+            [s["file"] for p in TOC["parts"] for c in p["chapters"] for s in c.get("sections", [])]
+SPEC = f'transformer-book @ git+{CONFIG["repository"]["url"]}@{CONFIG["repository"]["branch"]}'
+
+
+def install_cell(notebook: str) -> str:
+    cells = json.loads((ROOT / f"{notebook}.ipynb").read_text())["cells"]
+    first = next(c for c in cells if c["cell_type"] == "code")
+    assert first.get("id") == "install", f"{notebook}: the first code cell must be the install cell"
+    return "".join(first["source"])
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS)
+def test_every_notebook_starts_with_the_install_cell_for_the_configured_repository(notebook):
+    source = install_cell(notebook)
+    assert f'%pip install --quiet "{SPEC}"' in source, \
+        f"{notebook}: the install cell must name _config.yml's repository ({SPEC}); a fork changes _config.yml " \
+        "and this cell in every notebook the same way"
+    assert source == install_cell(NOTEBOOKS[0])                         # one cell, the same everywhere
+
+
+def _run_cell(source: str, importable: bool) -> list[str]:
+    "Run the cell in an IPython shell; return the %pip lines it ran (recorded, not executed)."
+    from IPython.core.interactiveshell import InteractiveShell
+    shell = InteractiveShell.instance()
+    calls = []
+    real = shell.run_line_magic
+    shell.run_line_magic = lambda name, line, *a, **k: calls.append(f"%{name} {line}")
+    saved = sys.modules.get("transformer")
+    if not importable:
+        sys.modules["transformer"] = None                              # import transformer -> ImportError
+    try:
+        result = shell.run_cell(source)
+        assert result.error_in_exec is None and result.error_before_exec is None
+    finally:
+        shell.run_line_magic = real
+        if saved is not None:
+            sys.modules["transformer"] = saved
+        else:
+            sys.modules.pop("transformer", None)
+    return calls
+
+
+def test_the_cell_does_nothing_where_the_package_is_installed_and_installs_where_it_is_missing():
+    source = install_cell(NOTEBOOKS[0])
+    assert _run_cell(source, importable=True) == []                     # here, and under nbval: a no-op
+    assert _run_cell(source, importable=False) == [f'%pip install --quiet "{SPEC}"']
+
+
+def test_the_spec_installs_in_an_empty_venv_from_the_local_checkout(tmp_path):
+    "The cell's requirement, pointed at this checkout: pip builds and installs the package from git."
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", CONFIG["repository"]["branch"]],
+                      capture_output=True).returncode != 0:
+        pytest.skip(f"this checkout has no branch {CONFIG['repository']['branch']!r} to install from")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    # a current pip, as Colab has (the pip that venv bundles may predate `name @ git+file://...@ref`)
+    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True,
+                   capture_output=True, timeout=300)
+    local = SPEC.replace(CONFIG["repository"]["url"], ROOT.as_uri())
+    # --no-deps: the dependencies (torch, ...) are the requirements' business, not this cell's
+    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", local],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr
+    where = subprocess.run([str(python), "-c", "import importlib.util as u; "
+                            "print(u.find_spec('transformer').origin)"], capture_output=True, text=True,
+                           cwd=tmp_path)                                 # not this checkout's copy
+    assert str(venv) in where.stdout and where.stdout.strip().endswith("transformer/__init__.py"), where
+    files = subprocess.run([str(python), "-m", "pip", "show", "--files", "transformer-book"],
+                           capture_output=True, text=True).stdout
+    for module in ("loop.py", "training.py", "devices.py", "cli.py"):    # the generated modules came along
+        assert f"transformer/{module}" in files
