@@ -258,3 +258,15 @@ def test_every_notebook_page_has_colab_binder_and_download_buttons(built_book):
         assert f"https://colab.research.google.com/github/{repo}/blob/{branch}/{notebook}" in html, chapter
         assert f"https://mybinder.org/v2/gh/{repo}/{branch}?urlpath=" in html and notebook in html, chapter
         assert f"_sources/{chapter}.ipynb" in html, f"{chapter}: no download link to its notebook"
+
+
+def test_search_works_offline_in_a_browser(browser, built_book, tmp_path):
+    "The built search index answers a query in the browser, from the files alone (no server, no network)."
+    page = (built_book / "search.html").as_uri() + "?q=positional+encoding"
+    result = subprocess.run([browser, *CHROME_FLAGS, f"--user-data-dir={tmp_path}", page],
+                            capture_output=True, text=True, timeout=120)
+    dom = result.stdout
+    found = re.search(r"found (\d+) page", dom)
+    assert found and int(found.group(1)) > 0, "the search page found nothing (is searchindex.js there?)"
+    hits = re.findall(r'<a href="(book/[^"#?]+\.html)', dom.split('id="search-results"', 1)[-1])
+    assert "book/05_positions.html" in hits, f"the positions chapter is not among the hits: {hits[:10]}"
