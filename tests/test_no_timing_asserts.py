@@ -153,7 +153,9 @@ def notebook_timing_asserts(path: Path) -> list[str]:
         if cell["cell_type"] != "code":
             continue
         lines = "".join(cell["source"]).splitlines()
-        code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
+        # a magic or shell line becomes `pass` at its indentation: it may be a block's only statement
+        code = "\n".join(line[:len(line) - len(line.lstrip())] + "pass"
+                          if line.lstrip().startswith(("%", "!")) else line for line in lines)
         scanner.hits = []
         scanner.run(ast.parse(code, filename=f"{path.name} cell {i}").body)
         found += [f"cell {i} (id {cell.get('id')}) line {n}: {lines[n - 1].strip()}" for n in sorted(set(scanner.hits))]
