@@ -34,9 +34,10 @@ class EncoderLayer(nn.Module):
     tensor2tensor's extras, off by default."""
     def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1,
                  norm_first: bool = False, attention_dropout: float = 0.0,
-                 ffn_dropout: float = 0.0):
+                 ffn_dropout: float = 0.0, d_k: int | None = None):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
+        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout,
+                                            d_k=d_k)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         # dropout1.residual(x, y) = x + Dropout(y)
@@ -62,10 +63,12 @@ class DecoderLayer(nn.Module):
      "same plumbing and dropouts.")
     def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1,
                  norm_first: bool = False, attention_dropout: float = 0.0,
-                 ffn_dropout: float = 0.0):
+                 ffn_dropout: float = 0.0, d_k: int | None = None):
         super().__init__()
-        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
-        self.cross_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout)
+        self.self_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout,
+                                            d_k=d_k)
+        self.cross_attn = MultiHeadAttention(d_model, h, dropout=attention_dropout,
+                                            d_k=d_k)
         self.feed_forward = FeedForward(d_model, d_ff, ffn_dropout)
         self.norm1, self.norm2, self.norm3 = (nn.LayerNorm(d_model) for _ in range(3))
         self.dropout1, self.dropout2, self.dropout3 = (Dropout(dropout)
@@ -112,13 +115,14 @@ class Encoder(nn.Module):
      "(post-LN layers already end in one).")
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int,
                  dropout: float = 0.1, norm_first: bool = False,
-                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0,
+                 d_k: int | None = None):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
         self.d_model = d_model
         self.layers = nn.ModuleList(EncoderLayer(d_model, h, d_ff, dropout, norm_first,
-                                                 attention_dropout, ffn_dropout)
+                                                 attention_dropout, ffn_dropout, d_k)
                                     for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 
@@ -134,13 +138,14 @@ class Decoder(nn.Module):
     "N decoder layers over the same memory; a final LayerNorm only for pre-LN."
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int,
                  dropout: float = 0.1, norm_first: bool = False,
-                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0):
+                 attention_dropout: float = 0.0, ffn_dropout: float = 0.0,
+                 d_k: int | None = None):
         super().__init__()
         if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
             raise ValueError(f"n_layers={n_layers!r} must be a positive int")
         self.d_model = d_model
         self.layers = nn.ModuleList(DecoderLayer(d_model, h, d_ff, dropout, norm_first,
-                                                 attention_dropout, ffn_dropout)
+                                                 attention_dropout, ffn_dropout, d_k)
                                     for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if norm_first else nn.Identity()
 

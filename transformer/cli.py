@@ -15,7 +15,7 @@ import torch
 
 from .data import LANGS, SPLITS, DataError, sha256_file
 from .tokens import Tokenizer
-from .model import PRESETS, Transformer
+from .model import POSITIONS, PRESETS, Transformer
 from .checkpoints import (CheckpointError, TrainingError, atomic_write,
                                      load_checkpoint, model_from_checkpoint)
 
@@ -71,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "'Attention Is All You Need'.")
     sub = parser.add_subparsers(
         dest="command", required=True,
-        metavar="{train,translate,evaluate,export,plot,attend,bench}")
+        metavar="{train,translate,evaluate,export,plot,attend,bench,sweep}")
     _train_parser(sub)
     _inference_parsers(sub)
     _export_parser(sub)
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="time a training step and greedy decoding against "
                             "torch.nn.Transformer (appendix D; python -m "
                             "transformer bench --help)", add_help=False)
+    sub.add_parser("sweep",
+                       help="train a committed list of variants, resumably (appendix "
+                            "C.3; python -m transformer sweep --help)", add_help=False)
     return parser
 
 
@@ -170,6 +173,22 @@ def _hyperparameters(t) -> None:
     g.add_argument("--eval-every", type=_positive(int), metavar="N",
                    help="validate and save every N steps")
     g.add_argument("--log-every", type=_positive(int), metavar="N")
+    m = t.add_argument_group("model shape (default: the preset's; Table 3's rows)")
+    m.add_argument("--d-model", type=_positive(int), metavar="N",
+                   help="width of every sub-layer's output")
+    m.add_argument("--d-ff", type=_positive(int), metavar="N",
+                   help="hidden width of the feed-forward networks")
+    m.add_argument("--heads", type=_positive(int), metavar="H",
+                   help="attention heads (d_model must divide by it)")
+    m.add_argument("--d-k", type=_positive(int), metavar="N",
+                   help="query/key width per head (default: d_model / heads)")
+    m.add_argument("--layers", type=_positive(int), metavar="N",
+                   help="encoder layers, and as many decoder layers")
+    m.add_argument("--positions", choices=list(POSITIONS),
+                   help="position information (chapter 5; default: sinusoidal)")
+    m.add_argument("--norm", choices=["pre", "post"],
+                   help="LayerNorm before each sub-layer (pre-LN) or after the "
+                        "residual sum (post-LN, the paper)")
 
 
 def _inference_parsers(sub) -> None:
@@ -378,7 +397,8 @@ def _run(args) -> int:
     commands = {"train": cli_train.cmd_train, "translate": cli_use.cmd_translate,
                 "evaluate": cli_use.cmd_evaluate, "export": cli_use.cmd_export,
                 "plot": cli_use.cmd_plot, "attend": cli_use.cmd_attend,
-                "bench": lambda args: _not_here("bench")}
+                "bench": lambda args: _not_here("bench"),
+                "sweep": lambda args: _not_here("sweep")}
     return commands[args.command](args)
 
 

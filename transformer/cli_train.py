@@ -107,6 +107,8 @@ def _run_config(args, model_config: TransformerConfig,
 
 def _check_same_run(saved: dict, now: dict, path: Path) -> None:
     diffs = []
+    if "model" in saved:  # a run from before a field existed has its default
+        saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
     for part in ("model", "data", "train"):
         for key, value in now[part].items():
             if part == "train" and key in TrainConfig.RESUMABLE:
@@ -139,18 +141,31 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
         overrides["keep_checkpoints"] = args.average
     if args.clip_norm is not None:
         overrides["clip_norm"] = args.clip_norm or None
+    shape = {field: getattr(args, flag) for field, flag in _MODEL_FLAGS.items()
+             if getattr(args, flag, None) is not None}
+    if getattr(args, "norm", None) is not None:
+        shape["norm_first"] = args.norm == "pre"
     try:
         model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size,
-                                                tgt_vocab=vocab_size,
-                                                **({"dropout": args.dropout}
-                                                   if args.dropout is not None else {}))
+                                                tgt_vocab=vocab_size, **shape)
         return model_config, TrainConfig.preset(args.preset, seed=args.seed,
                                                 compile=args.compile, **overrides)
     # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
     except ValueError as e:
-        raise CLIError(re.sub(r"^(\w+)=(\S+)",
-                              lambda m: f"--{m.group(1).replace('_', '-')} "
-                                        f"{m.group(2)}", str(e)))
+        raise CLIError(re.sub(r"\b(\w+)=(\S+)", _as_flag, str(e), count=2))
+
+
+# model fields whose flag has another name than the field
+_MODEL_FLAGS = {"dropout": "dropout", "d_model": "d_model", "d_ff": "d_ff", "h": "heads",
+                "d_k": "d_k", "n_layers": "layers", "positions": "positions"}
+
+
+def _as_flag(m: re.Match) -> str:
+    "`d_model=100` -> `--d-model 100`; `h=3` -> `--heads 3`."
+    field = m.group(1)
+    if field not in _MODEL_FLAGS and field not in TrainConfig.__dataclass_fields__:
+        return m.group(0)
+    return f"--{_MODEL_FLAGS.get(field, field).replace('_', '-')} {m.group(2)}"
 
 
 def _check_out(out: Path, args) -> None:

@@ -49,9 +49,9 @@ def _until_eos(ids: list[int]) -> list[int]:
 
 # %% ../book/09_decoding.ipynb #c007
 def _heads(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    "(N, T, d_model) -> (N, h, T, d_k), the head split of chapter 4."
+    "(N, T, h * d_k) -> (N, h, T, d_k), the head split of chapter 4 (d_v for values)."
     N, T, _ = x.shape
-    return x.reshape(N, T, mha.h, mha.d_k).transpose(1, 2)
+    return x.reshape(N, T, mha.h, -1).transpose(1, 2)
 
 
 def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -79,7 +79,7 @@ class KVCache:
         if self.k is None:
             N, h, _, d_k = k.shape
             self.k = k.new_empty(N, h, self.capacity, d_k)
-            self.v = v.new_empty(N, h, self.capacity, d_k)
+            self.v = v.new_empty(N, h, self.capacity, v.size(-1))   # d_v
         if self.length == self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; "
                              "decode no longer than that")

@@ -19,11 +19,13 @@ class MultiHeadAttention(nn.Module):
     forward(query (B, T_q, d_model), key (B, T_k, d_model), value (B, T_k, d_model),
             mask=None, need_weights=False)
     -> (output (B, T_q, d_model), per-head weights (B, h, T_q, T_k) or None).
-    mask: bool, broadcastable to (B, h, T_q, T_k), True = may attend. Set
+    mask: bool, broadcastable to (B, h, T_q, T_k), True = may attend. `d_k` narrows
+    the queries and keys alone (Table 3, row B; default d_model / h). Set
     `store_weights = True` to keep every forward's weights (detached) in
     `last_weights`, for figures."""
 
-    def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True):
+    def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True,
+                 d_k: int | None = None):
         super().__init__()
         if not (isinstance(h, int) and h >= 1
                 and isinstance(d_model, int) and d_model >= 1):
@@ -35,11 +37,15 @@ class MultiHeadAttention(nn.Module):
                              f"(the paper uses d_model=512, h=8)")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1)")
-        self.d_model, self.h, self.d_k = d_model, h, d_model // h
+        if d_k is not None and (isinstance(d_k, bool) or not isinstance(d_k, int)
+                                or d_k < 1):
+            raise ValueError(f"d_k={d_k!r} must be a positive int (or None: d_model/h)")
+        self.d_model, self.h = d_model, h
+        self.d_k, self.d_v = d_k or d_model // h, d_model // h
         self.dropout = dropout
         # the h matrices W_i^Q side by side
-        self.w_q = nn.Linear(d_model, d_model, bias=bias)
-        self.w_k = nn.Linear(d_model, d_model, bias=bias)       # W_i^K
+        self.w_q = nn.Linear(d_model, h * self.d_k, bias=bias)
+        self.w_k = nn.Linear(d_model, h * self.d_k, bias=bias)  # W_i^K
         self.w_v = nn.Linear(d_model, d_model, bias=bias)       # W_i^V
         self.w_o = nn.Linear(d_model, d_model, bias=bias)       # W^O
         self.store_weights = False
@@ -88,20 +94,21 @@ class MultiHeadAttention(nn.Module):
                              f"(B, h, T_q, T_k) = {target}")
 
     def _split(self, x: Tensor) -> Tensor:
-        """(B, T, d_model) -> (B, h, T, d_k): head i gets features
-        i*d_k ... (i+1)*d_k - 1 of the projection."""
+        """(B, T, h * d_k) -> (B, h, T, d_k): head i gets features
+        i*d_k ... (i+1)*d_k - 1 of the projection (d_v for values)."""
         B, T, _ = x.shape
-        return x.reshape(B, T, self.h, self.d_k).transpose(1, 2)
+        return x.reshape(B, T, self.h, -1).transpose(1, 2)
 
     def _project(self, x: Tensor, *linears: nn.Linear) -> list[Tensor]:
         """Several projections of the same input as one matrix product (the weights
         stacked), split after."""
         if len(linears) == 1:
             return [linears[0](x)]
-        weight = torch.cat([l.weight for l in linears])         # (k * d_model, d_model)
+        weight = torch.cat([l.weight for l in linears])         # (sum of widths, d_model)
         bias = (None if any(l.bias is None for l in linears)
                 else torch.cat([l.bias for l in linears]))
-        return list(F.linear(x, weight, bias).chunk(len(linears), dim=-1))
+        return list(F.linear(x, weight, bias).split([l.out_features for l in linears],
+                                                     dim=-1))
 
     def forward(self, query: Tensor, key: Tensor, value: Tensor,
                 mask: Tensor | None = None,
@@ -120,7 +127,7 @@ class MultiHeadAttention(nn.Module):
         out, weights = scaled_dot_product_attention(
             q, k, v, mask, dropout_p=self.dropout if self.training else 0.0,
             need_weights=need_weights or self.store_weights,
-            is_causal=is_causal)  # (B, h, T_q, d_k), (B, h, T_q, T_k) or None
+            is_causal=is_causal)  # (B, h, T_q, d_v), (B, h, T_q, T_k) or None
         if self.store_weights:
             self.last_weights = weights.detach()
         # concat the heads: (B, T_q, d_model)

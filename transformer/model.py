@@ -9,12 +9,13 @@ import torch
 from torch import nn
 
 from .tokens import PAD, Embeddings
-from .positions import PositionalEncoding
+from .positions import (LearnedPositionalEmbedding, NoPositions,
+                                  PositionalEncoding)
 from .blocks import Decoder, Dropout, Encoder
 from .masking import padding_mask, decoder_mask
 
 # %% auto #0
-__all__ = ['PRESETS', 'TransformerConfig', 'config_from_dict', 'Transformer']
+__all__ = ['PRESETS', 'POSITIONS', 'TransformerConfig', 'config_from_dict', 'Transformer']
 
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {
@@ -28,6 +29,11 @@ PRESETS: dict[str, dict] = {
 }
 
 # %% ../book/07_1_model.ipynb #c006
+# the position schemes of chapter 5, by the name a config gives them
+POSITIONS = {"sinusoidal": PositionalEncoding, "learned": LearnedPositionalEmbedding,
+             "none": NoPositions}
+
+
 @dataclass
 class TransformerConfig:
     """Every size of the model in one place. Build one with
@@ -48,6 +54,9 @@ class TransformerConfig:
     # share source/target embeddings and the generator's weight
     tie_embeddings: bool = True
     pad_id: int = PAD
+    # chapter 5's choice: "sinusoidal" (the paper), "learned" or "none" (Table 3, row E)
+    positions: str = "sinusoidal"
+    d_k: int | None = None       # query/key width per head (Table 3, row B); None: d_model/h
 
     def __post_init__(self):
         for name in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h", "n_layers",
@@ -67,6 +76,13 @@ class TransformerConfig:
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not 0 <= value < 1):
                 raise ValueError(f"{name}={value!r} must be in [0, 1)")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"positions={self.positions!r} is not one of "
+                             f"{', '.join(map(repr, POSITIONS))}")
+        if self.d_k is not None and (isinstance(self.d_k, bool)
+                                     or not isinstance(self.d_k, int) or self.d_k < 1):
+            raise ValueError(f"d_k={self.d_k!r} must be a positive int, or None for "
+                             "d_model / h")
         if not 0 <= self.pad_id < min(self.src_vocab, self.tgt_vocab):
             raise ValueError(f"pad_id={self.pad_id} must be a token id below both "
                              "vocab sizes "
@@ -116,9 +132,10 @@ class Transformer(nn.Module):
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         # no weights: shared by both sides
-        self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)
+        self.pos = POSITIONS[c.positions](c.d_model, c.dropout, c.max_len)
         self.pos.dropout = Dropout(c.dropout)  # chapter 6's dropout, cheaper on CPU
-        extras = dict(attention_dropout=c.attention_dropout, ffn_dropout=c.ffn_dropout)
+        extras = dict(attention_dropout=c.attention_dropout, ffn_dropout=c.ffn_dropout,
+                      d_k=c.d_k)
         self.encoder = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout,
                                c.norm_first, **extras)
         self.decoder = Decoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout,

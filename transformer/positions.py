@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 # %% auto #0
-__all__ = ['sinusoidal_encoding', 'PositionalEncoding', 'LearnedPositionalEmbedding']
+__all__ = ['sinusoidal_encoding', 'PositionalEncoding', 'LearnedPositionalEmbedding', 'NoPositions']
 
 # %% ../book/05_positions.ipynb #c007
 def sinusoidal_encoding(max_len: int, d_model: int) -> torch.Tensor:
@@ -75,3 +75,22 @@ class LearnedPositionalEmbedding(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:            # x: (B, T, d_model)
         _check_input(x, self.d_model, self.max_len, type(self).__name__)
         return self.dropout(x + self.embedding.weight[: x.size(1)])  # (B, T, d_model)
+
+    @property
+    def pe(self) -> torch.Tensor:
+        "The table (max_len, d_model), under the name `PositionalEncoding` gives it."
+        return self.embedding.weight
+
+
+class NoPositions(nn.Module):
+    """No position at all, the control of the experiment: `dropout(x)`. Its `pe` is a
+    table of zeros, so code that reads one position's vector (decoding) works unchanged."""
+    def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000):
+        super().__init__()
+        self.d_model, self.max_len = d_model, max_len
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("pe", torch.zeros(max_len, d_model), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:            # x: (B, T, d_model)
+        _check_input(x, self.d_model, self.max_len, type(self).__name__)
+        return self.dropout(x)
