@@ -15,7 +15,7 @@ import torch
 
 from .data import LANGS, SPLITS, DataError, sha256_file
 from .tokens import Tokenizer
-from .model import POSITIONS, PRESETS, Transformer
+from .model import ARCHS, POSITIONS, PRESETS, Transformer
 from .checkpoints import (CheckpointError, TrainingError, atomic_write,
                                      load_checkpoint, model_from_checkpoint)
 
@@ -186,6 +186,10 @@ def _hyperparameters(t) -> None:
                    help="encoder layers, and as many decoder layers")
     m.add_argument("--positions", choices=list(POSITIONS),
                    help="position information (chapter 5; default: sinusoidal)")
+    m.add_argument("--arch", choices=list(ARCHS),
+                   help="encoder-decoder (the paper; default), or one stack over source "
+                        "+ target: decoder-only (GPT) or prefix-lm (chapter 19.1; "
+                        "--layers 7 matches small's parameters)")
     m.add_argument("--norm", choices=["pre", "post"],
                    help="LayerNorm before each sub-layer (pre-LN) or after the "
                         "residual sum (post-LN, the paper)")

@@ -24,7 +24,8 @@ import torch.distributed as dist
 
 from .data import DataError, load_multi30k, sha256_file
 from .tokens import Tokenizer
-from .model import Transformer, TransformerConfig
+from .model import TransformerConfig
+from .gpt import build_model
 from .training import TrainConfig, make_examples
 from .loop import train
 from .checkpoints import load_checkpoint, read_metrics, run_lock
@@ -157,7 +158,8 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
 
 # model fields whose flag has another name than the field
 _MODEL_FLAGS = {"dropout": "dropout", "d_model": "d_model", "d_ff": "d_ff", "h": "heads",
-                "d_k": "d_k", "n_layers": "layers", "positions": "positions"}
+                "d_k": "d_k", "n_layers": "layers", "positions": "positions",
+                "arch": "arch"}
 
 
 def _as_flag(m: re.Match) -> str:
@@ -289,7 +291,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     # now: the files may change while a long run goes on
     facts = provenance()
     torch.manual_seed(args.seed)
-    model = Transformer(model_config).to(device)
+    model = build_model(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
         f"({model.num_parameters():,} parameters, "

@@ -237,6 +237,9 @@ def cmd_attend(args) -> int:
                                                     ("head", args.head)) if n])
     out = _image_out(args.out or f"{name}.png")
     model, tokenizer, _ = load_run(args.model, args.checkpoint)
+    if not isinstance(model, Transformer):
+        raise CLIError(f"{args.model} holds a {model.config.arch} model; attend draws "
+                       "the encoder-decoder's three kinds of attention")
     for what, n, have in (("layer", args.layer, model.config.n_layers),
                           ("head", args.head, model.config.h)):
         if n is not None and n > have:

@@ -158,6 +158,8 @@ class CachedDecoder:
 def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
            capacity: int | None = None):
     "Encode once; return the decoder state for `copies` rows per sentence."
+    if hasattr(model, "decoding_state"):  # a model that decodes its own way (19.1)
+        return model.decoding_state(src, copies, cache, capacity)
     src_mask = padding_mask(src, model.config.pad_id)     # (B, 1, 1, S)
     memory = model.encode(src, src_mask)                  # (B, S, d_model)
     if copies > 1:

@@ -15,7 +15,7 @@ from .blocks import Decoder, Dropout, Encoder
 from .masking import padding_mask, decoder_mask
 
 # %% auto #0
-__all__ = ['PRESETS', 'POSITIONS', 'TransformerConfig', 'config_from_dict', 'Transformer']
+__all__ = ['PRESETS', 'ARCHS', 'POSITIONS', 'TransformerConfig', 'config_from_dict', 'Transformer']
 
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {
@@ -29,6 +29,7 @@ PRESETS: dict[str, dict] = {
 }
 
 # %% ../book/07_1_model.ipynb #c006
+ARCHS = ("encoder-decoder", "decoder-only", "prefix-lm")
 # the position schemes of chapter 5, by the name a config gives them
 POSITIONS = {"sinusoidal": PositionalEncoding, "learned": LearnedPositionalEmbedding,
              "none": NoPositions}
@@ -57,6 +58,8 @@ class TransformerConfig:
     # chapter 5's choice: "sinusoidal" (the paper), "learned" or "none" (Table 3, row E)
     positions: str = "sinusoidal"
     d_k: int | None = None       # query/key width per head (Table 3, row B); None: d_model/h
+    # "encoder-decoder" (this chapter), or chapter 19.1's "decoder-only" and "prefix-lm"
+    arch: str = "encoder-decoder"
 
     def __post_init__(self):
         for name in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h", "n_layers",
@@ -79,6 +82,9 @@ class TransformerConfig:
         if self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r} is not one of "
                              f"{', '.join(map(repr, POSITIONS))}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch={self.arch!r} is not one of "
+                             f"{', '.join(map(repr, ARCHS))}")
         if self.d_k is not None and (isinstance(self.d_k, bool)
                                      or not isinstance(self.d_k, int) or self.d_k < 1):
             raise ValueError(f"d_k={self.d_k!r} must be a positive int, or None for "
@@ -129,6 +135,10 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = self.config = config
+        if c.arch != "encoder-decoder":
+            raise ValueError(f"Transformer builds the encoder-decoder; arch={c.arch!r} is "
+                             "chapter 19.1's DecoderOnly (transformer.gpt.build_model "
+                             "builds either)")
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         # no weights: shared by both sides
