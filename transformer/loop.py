@@ -222,8 +222,11 @@ class _Loop:
                     stopped = self.should_stop() or stopped
                     step, done = self.at["step"], (self.at["step"] >= c.max_steps
                                                   or stopped != "max_steps")
+                    # a run interrupted to be resumed takes no extra snapshot: the
+                    # snapshots it averages at the end are those of a run never stopped
                     snap = c.keep_checkpoints and (
-                        step % (c.snapshot_every or c.eval_every) == 0 or done)
+                        step % (c.snapshot_every or c.eval_every) == 0
+                        or (done and stopped != "interrupted"))
                     evaluate = ((step % c.eval_every == 0 or done)
                                 and stopped != "interrupted")
                     if step % c.log_every == 0 or done:

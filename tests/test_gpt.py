@@ -1,0 +1,202 @@
+"""Chapter 19.1, gpt.py: the decoder-only translator built from the book's parts."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.checkpoints import model_from_checkpoint, save_checkpoint
+from transformer.decoding import beam_search, greedy_search
+from transformer.gpt import DecoderOnly, build_model, pack, sequence_mask
+from transformer.loop import train
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, EOS, PAD, pad_batch
+from transformer.training import TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(arch="decoder-only", vocab=40, **kw):
+    return TransformerConfig.preset("tiny", src_vocab=vocab, tgt_vocab=vocab, arch=arch, **kw)
+
+
+def batch(seed=0, vocab=40):
+    g = torch.Generator().manual_seed(seed)
+    src = torch.randint(4, vocab, (3, 7), generator=g)
+    src[:, -1] = EOS
+    src[1, 3], src[1, 4:] = EOS, PAD
+    tgt = torch.randint(4, vocab, (3, 6), generator=g)
+    tgt[:, 0] = BOS
+    tgt[2, 4:] = PAD
+    return src, tgt
+
+
+def test_pack_puts_each_target_right_after_its_source():
+    src = torch.tensor([[5, 6, EOS], [7, EOS, PAD]])
+    tgt = torch.tensor([[BOS, 8, 9], [BOS, 10, PAD]])
+    seq, n_src, slots = pack(src, tgt, PAD)
+    assert seq.tolist() == [[5, 6, EOS, BOS, 8, 9], [7, EOS, BOS, 10, PAD, PAD]]
+    assert n_src.tolist() == [3, 2] and slots.tolist() == [[3, 4, 5], [2, 3, 4]]
+    assert torch.equal(seq.gather(1, slots), tgt)
+
+
+def test_sequence_mask_causal_and_prefix():
+    seq = torch.tensor([[5, 6, EOS, BOS, 8, PAD]])
+    n_src = torch.tensor([3])
+    causal = sequence_mask(seq, n_src, PAD)[0, 0]
+    prefix = sequence_mask(seq, n_src, PAD, prefix=True)[0, 0]
+    lower = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    lower[:, 5] = False                                     # the pad key
+    assert torch.equal(causal, lower)
+    want = lower.clone()
+    want[:3, :3] = True                                     # the source sees itself both ways
+    assert torch.equal(prefix, want)
+
+
+@pytest.mark.parametrize("arch", ["decoder-only", "prefix-lm"])
+def test_features_blind_to_padding_and_causal_in_the_target(arch):
+    torch.manual_seed(0)
+    model = DecoderOnly(config(arch)).eval()
+    src, tgt = batch()
+    full = model.features(src, tgt)                                          # (3, 6, d)
+    alone = model.features(src[1:2, :4], tgt[1:2])
+    torch.testing.assert_close(full[1], alone[0], atol=1e-5, rtol=1e-5)
+    later = tgt.clone()
+    later[:, 3] = 9
+    changed = (model.features(src, later) - full).abs().amax(-1)
+    assert changed[:, :3].max() < 1e-6 and changed[:, 3:].min() > 1e-5
+
+
+def test_prefix_lm_reads_the_source_both_ways_and_the_causal_model_does_not():
+    torch.manual_seed(0)
+    src, tgt = batch()
+    for arch, sees_later in (("decoder-only", False), ("prefix-lm", True)):
+        torch.manual_seed(0)
+        model = DecoderOnly(config(arch)).eval()
+        seq, n_src, _ = pack(src, tgt, PAD)
+        x = model.pos(model.embed(seq))
+        mask = sequence_mask(seq, n_src, PAD, prefix=arch == "prefix-lm")
+        hidden = model.stack(x, mask)
+        seq2 = seq.clone()
+        seq2[:, 2] = 11                                     # a later source token
+        hidden2 = model.stack(model.pos(model.embed(seq2)), mask)
+        first = (hidden2[:, 0] - hidden[:, 0]).abs().max()  # the first source position
+        assert (first > 1e-5) == sees_later
+
+
+@pytest.mark.parametrize("arch", ["decoder-only", "prefix-lm"])
+def test_searches_continue_the_teacher_forced_pass(arch):
+    torch.manual_seed(3)
+    model = DecoderOnly(config(arch)).eval()
+    src, _ = batch(1)
+    outs = greedy_search(model, src, extra_len=5)
+    for i, out in enumerate(outs):
+        s = src[i:i + 1, :int((src[i] != PAD).sum())]
+        logits = model(s, torch.tensor([[BOS, *out]]))
+        assert logits[0, :-1].argmax(-1).tolist() == out
+    assert beam_search(model, src, beam_size=1, extra_len=5) == outs
+
+
+def test_build_model_and_checkpoints_round_trip(tmp_path):
+    torch.manual_seed(0)
+    model = build_model(config("prefix-lm")).eval()
+    assert isinstance(model, DecoderOnly)
+    assert isinstance(build_model(config("encoder-decoder")), Transformer)
+    save_checkpoint(tmp_path / "m.pt", model)
+    back = model_from_checkpoint(tmp_path / "m.pt")
+    assert isinstance(back, DecoderOnly) and back.config == model.config
+    src, tgt = batch()
+    assert torch.equal(back(src, tgt), model(src, tgt))
+
+
+def test_equal_parameters_at_seven_layers():
+    V = 8000
+    enc_dec = Transformer(TransformerConfig.preset("small", src_vocab=V, tgt_vocab=V))
+    seven = DecoderOnly(TransformerConfig.preset("small", src_vocab=V, tgt_vocab=V,
+                                                 arch="decoder-only", n_layers=7))
+    assert abs(seven.num_parameters() / enc_dec.num_parameters() - 1) < 1e-3
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda: Transformer(config("decoder-only")), "DecoderOnly"),
+    (lambda: DecoderOnly(config("encoder-decoder")), "Transformer"),
+    (lambda: DecoderOnly(TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=30,
+                                                  arch="prefix-lm")), "one vocabulary"),
+    (lambda: config("gpt"), "arch='gpt' is not one of"),
+])
+def test_bad_configs(make, match):
+    with pytest.raises(ValueError, match=match):
+        make()
+
+
+def test_bad_inputs():
+    model = DecoderOnly(config(max_len=10)).eval()
+    src, tgt = batch()
+    with pytest.raises(ValueError, match="max_len=10"):
+        model(src, tgt)
+    model = DecoderOnly(config()).eval()
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(src + 100, tgt)
+    with pytest.raises(ValueError, match="batch sizes"):
+        model(src[:2], tgt)
+    with pytest.raises(ValueError, match="integer token ids"):
+        model(src.float(), tgt)
+
+
+def copy_examples(n, seed, vocab=16):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(4, vocab, (int(torch.randint(3, 7, (1,), generator=g)),),
+                          generator=g).tolist()
+        out.append((x + [EOS], [BOS] + x + [EOS]))
+    return out
+
+
+def test_the_decoder_only_model_learns_to_copy(tmp_path):
+    torch.manual_seed(0)
+    model = DecoderOnly(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
+                                          n_layers=2, dropout=0.0, max_len=64, norm_first=True,
+                                          arch="prefix-lm"))
+    result = train(model, copy_examples(3000, 1), copy_examples(100, 2),
+                   TrainConfig(batch_tokens=1024, max_steps=600, warmup=50, lr_scale=0.3,
+                               eval_every=200, label_smoothing=0.0),
+                   out_dir=tmp_path, progress=False)
+    last = [h for h in result.history if "val_nll" in h][-1]
+    assert last["val_nll"] < 0.1
+    held = copy_examples(30, 5)
+    src, _ = pad_batch([s for s, _ in held])
+    got = greedy_search(model.eval(), src)
+    assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 27
+
+
+def test_train_command_with_arch_writes_a_run_that_translates(tmp_path):
+    data = os.environ.get("TRANSFORMER_DATA") or str(ROOT.parent / "shared" / "data")
+    out = tmp_path / "run"
+    env = {**os.environ, "TRANSFORMER_DATA": data}
+    cmd = [sys.executable, "-m", "transformer", "train", "--preset", "tiny", "--arch",
+           "decoder-only", "--layers", "3", "--max-steps", "4", "--eval-every", "2",
+           "--eval-sentences", "6", "--vocab-size", "300", "--batch-tokens", "1500",
+           "--beam", "2", "--threads", "1", "--quiet", "--no-download", "--out", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((out / "config.json").read_text())["model"]
+    assert saved["arch"] == "decoder-only" and saved["n_layers"] == 3
+    assert isinstance(model_from_checkpoint(out / "best.pt"), DecoderOnly)
+    done = subprocess.run([sys.executable, "-m", "transformer", "translate", "--model", str(out),
+                           "Ein Hund."], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    done = subprocess.run([sys.executable, "-m", "transformer", "attend", "--model", str(out),
+                           "Ein Hund."], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 1 and "decoder-only model" in done.stderr
