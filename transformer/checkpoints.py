@@ -23,7 +23,6 @@ except ImportError:                 # Windows: run directories are not locked th
     fcntl = None
 
 from .model import Transformer, TransformerConfig
-from .gpt import build_model
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
@@ -218,7 +217,11 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                 f"{name} holds NaN or infinite weights ({bad}): "
                 f"the run diverged or the file is damaged; "
                 f"use another checkpoint (--checkpoint best, last or averaged)")
-        model = build_model(config)  # an encoder-decoder, or 19.1's decoder-only
+        if config.arch == "encoder-decoder":
+            model = Transformer(config)
+        else:  # chapter 19.1's decoder-only models, imported only when one is loaded
+            from transformer.gpt import DecoderOnly
+            model = DecoderOnly(config)
         model.load_state_dict(weights)
     except CheckpointError:
         raise
