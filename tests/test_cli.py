@@ -188,7 +188,7 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
-    ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench}"),
+    ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench,sweep}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),
     ("same languages", ["train", "--src", "de", "--tgt", "de"], 1, "both 'de'"),
@@ -220,6 +220,23 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("averaged asked, absent", ["translate", "--model", "TMP/corrupt", "--checkpoint", "averaged", "x"], 1,
      "holds no averaged.pt (train --average N writes it); use --checkpoint best (best.pt)"),
     ("bench through cli.main", ["bench"], 1, "python -m transformer bench --help"),
+    ("sweep through cli.main", ["sweep"], 1, "python -m transformer sweep --help"),
+    # issue 15: the model shape flags, in the flags' words, before any work
+    ("d_model not divisible by heads", ["train", "--preset", "tiny", "--d-model", "100", "--heads", "3", "--out", "TMP/r"],
+     1, "error: --d-model 100 is not divisible by --heads 3; choose"),
+    ("heads do not divide the preset's d_model", ["train", "--preset", "tiny", "--heads", "128", "--out", "TMP/r"], 1,
+     "--d-model 64 is not divisible by --heads 128"),
+    ("odd d_model", ["train", "--d-model", "34", "--heads", "2", "--d-model", "33", "--heads", "3", "--out", "TMP/r"], 1,
+     "error: --d-model 33 must be even"),
+    ("zero d_k", ["train", "--d-k", "0"], 2, "argument --d-k: 0 must be > 0"),
+    ("fractional d_k", ["train", "--d-k", "2.5"], 2, "argument --d-k: '2.5' is not a number"),
+    ("zero heads", ["train", "--heads", "0"], 2, "argument --heads: 0 must be > 0"),
+    ("zero layers", ["train", "--layers", "0"], 2, "argument --layers: 0 must be > 0"),
+    ("negative d_ff", ["train", "--d-ff", "-1"], 2, "argument --d-ff: -1 must be > 0"),
+    ("zero d_model", ["train", "--d-model", "0"], 2, "argument --d-model: 0 must be > 0"),
+    ("unknown positions", ["train", "--positions", "rope"], 2,
+     "argument --positions: invalid choice: 'rope' (choose from 'sinusoidal', 'learned', 'none')"),
+    ("unknown norm", ["train", "--norm", "middle"], 2, "argument --norm: invalid choice: 'middle' (choose from 'pre', 'post')"),
     ("--output is a directory", ["evaluate", "--model", "TMP/empty", "--output", "TMP/empty"], 1,
      "empty: name a file in an existing directory"),
     ("missing source file, checked before the model", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/no.de",
@@ -516,3 +533,89 @@ def test_the_shipped_model_translates_on_a_fresh_clone():
     code, stdout, err = run("translate", "--model", model_dir, "Ein Hund läuft im Schnee.")
     assert code == 0 and err == "", err
     assert "dog" in stdout and "snow" in stdout, stdout
+
+
+# --- issue 15: the model shape flags -------------------------------------------------------------------------------
+
+SHORT = ["train", "--preset", "tiny", "--max-steps", 3, "--eval-every", 3, "--eval-sentences", 8, "--vocab-size", 300,
+         "--batch-tokens", 600, "--beam", 1, "--threads", 1, "--quiet", "--no-download"]
+SHAPE = ["--d-model", 32, "--d-ff", 48, "--heads", 2, "--d-k", 8, "--layers", 1, "--positions", "learned",
+         "--norm", "post"]
+
+
+@pytest.mark.parametrize("flags, want", [
+    ([], dict(d_model=64, d_ff=256, h=4, d_k=None, n_layers=2, positions="sinusoidal", norm_first=False)),
+    (["--d-model", "32", "--heads", "2"], dict(d_model=32, h=2, d_k=None, d_ff=256)),
+    (["--d-ff", "100", "--layers", "3"], dict(d_ff=100, n_layers=3, d_model=64)),
+    (["--d-k", "5"], dict(d_k=5, h=4, d_model=64)),
+    (["--positions", "none"], dict(positions="none")),
+    (["--positions", "learned", "--norm", "pre"], dict(positions="learned", norm_first=True)),
+    (["--preset", "small", "--norm", "post"], dict(norm_first=False, d_model=256)),
+    (["--preset", "small"], dict(norm_first=True)),                   # the small preset is pre-LN
+])
+def test_shape_flags_set_the_model_config(flags, want):
+    from transformer.cli import build_parser
+    from transformer.cli_train import _configs
+    args = build_parser().parse_args(["train", "--preset", "tiny", *flags])
+    model_config, _ = _configs(args, 300)
+    assert {k: getattr(model_config, k) for k in want} == want
+
+
+@pytest.fixture(scope="module")
+def shaped(multi30k, tmp_path_factory):
+    "A 3-step run with every shape flag set."
+    out = tmp_path_factory.mktemp("shaped") / "run"
+    code, stdout, err = run(*SHORT, *SHAPE, "--out", out)
+    assert code == 0, err
+    return out
+
+
+def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
+    from transformer.checkpoints import load_checkpoint, model_from_checkpoint
+    from transformer.model import Transformer, TransformerConfig
+    config = json.loads((shaped / "config.json").read_text())
+    want = dict(d_model=32, d_ff=48, h=2, d_k=8, n_layers=1, positions="learned", norm_first=False)
+    assert {k: config["model"][k] for k in want} == want
+    state = load_checkpoint(shaped / "last.pt")
+    assert state["model_config"] == config["model"] and "pos.embedding.weight" in state["model"]
+    results = json.loads((shaped / "results.json").read_text())
+    assert results["params"] == Transformer(TransformerConfig.from_dict(config["model"])).num_parameters()
+    assert results["steps"] == 3 and "--d-k 8" in results["command"] and "--positions learned" in results["command"]
+    model = model_from_checkpoint(shaped / "best.pt")
+    assert model.encoder.layers[0].self_attn.w_q.weight.shape == (2 * 8, 32) and len(model.encoder.layers) == 1
+    code, stdout, err = run("translate", "--model", shaped, "--beam", 2, "Ein Hund läuft.")
+    assert code == 0 and len(stdout.splitlines()) == 1, err
+
+
+def _strip_new_fields(run_dir, checkpoints=()):
+    "Make a run look as if written before `positions` and `d_k` existed."
+    config = json.loads((run_dir / "config.json").read_text())
+    for key in ("positions", "d_k"):
+        del config["model"][key]
+    (run_dir / "config.json").write_text(json.dumps(config, indent=2))
+    for name in checkpoints:
+        state = torch.load(run_dir / name, weights_only=True)
+        for key in ("positions", "d_k"):
+            del state["model_config"][key]
+        torch.save(state, run_dir / name)
+
+
+@pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")], ids=["config.json", "config.json+last.pt"])
+def test_resume_of_a_run_from_before_the_shape_fields(multi30k, tmp_path_factory, checkpoints):
+    "A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults."
+    out = tmp_path_factory.mktemp("old") / "run"
+    code, _, err = run(*SHORT, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--out", out)
+    assert code == 0, err
+    (out / "results.json").unlink()
+    _strip_new_fields(out, checkpoints)
+    more = [*SHORT, "--max-steps", 5]                               # the last --max-steps wins
+    code, _, err = run(*more, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--out", out, "--resume")
+    assert code == 0, err
+    assert json.loads((out / "results.json").read_text())["steps"] == 5
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps) and steps[-1] == 5
+    # a shape flag that differs from the run is still refused, in the flag's words
+    code, stdout, err = run(*more, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--positions", "none",
+                            "--out", out, "--resume")
+    assert_one_line_error(code, stdout, err, 1, "--resume with a different config")
+    assert "positions='none' (the run has 'sinusoidal')" in err

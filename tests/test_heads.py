@@ -8,6 +8,15 @@ from transformer.heads import MultiHeadAttention
 F64 = torch.float64
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    "One thread: tiny matrices gain nothing from more, and the test machine is busy."
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def pair(d_model=16, h=4, bias=True, seed=0):
     "Our module and torch's, with the same weights, in float64."
     torch.manual_seed(seed)
@@ -230,3 +239,130 @@ def test_broadcastable_masks_are_accepted():
     full = m(q, kv, kv)[0]
     for shape in [(5, 7), (1, 5, 7), (1, 1, 1, 7), (2, 1, 1, 7), (2, 4, 5, 7)]:
         check(m(q, kv, kv, torch.ones(shape, dtype=torch.bool))[0], full)
+
+
+# ---- d_k apart from d_model / h (Table 3, row B) ----------------------------------------------------
+
+def by_the_book(m: MultiHeadAttention, query, key, value, mask=None):
+    """Section 3.2.2 written out head by head: head_i = softmax(Q W_i^Q (K W_i^K)^T / sqrt(d_k)) V W_i^V,
+    W_i^Q and W_i^K of width d_k (rows i*d_k ... of w_q, w_k), W_i^V of width d_v; Concat(heads) W^O."""
+    d_k, d_v = m.d_k, m.d_model // m.h
+    heads, weights = [], []
+    for i in range(m.h):
+        qk = slice(i * d_k, (i + 1) * d_k)
+        v_ = slice(i * d_v, (i + 1) * d_v)
+        q = query @ m.w_q.weight[qk].T + (m.w_q.bias[qk] if m.w_q.bias is not None else 0)    # (B, T_q, d_k)
+        k = key @ m.w_k.weight[qk].T + (m.w_k.bias[qk] if m.w_k.bias is not None else 0)      # (B, T_k, d_k)
+        v = value @ m.w_v.weight[v_].T + (m.w_v.bias[v_] if m.w_v.bias is not None else 0)   # (B, T_k, d_v)
+        scores = q @ k.transpose(1, 2) / d_k ** 0.5                                          # (B, T_q, T_k)
+        if mask is not None:
+            scores = scores.masked_fill(~mask[:, 0], float("-inf"))                    # mask (B, 1, T_q, T_k)
+        w = scores.softmax(-1)
+        heads.append(w @ v)                                                                  # (B, T_q, d_v)
+        weights.append(w)
+    return m.w_o(torch.cat(heads, -1)), torch.stack(weights, 1)
+
+
+@pytest.mark.parametrize("d_k", [1, 2, 3, 8, 20])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("kind", ["self", "cross", "separate"])
+def test_d_k_matches_the_per_head_computation(d_k, bias, kind):
+    "d_k narrows queries and keys only: the fast and the teaching path both equal the head-by-head formula."
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, bias=bias, d_k=d_k).double().eval()
+    assert (m.d_k, m.d_v) == (d_k, 4)
+    q = x(3, 5)
+    k = q if kind == "self" else x(3, 7, seed=2)
+    v = k if kind != "separate" else x(3, k.size(1), seed=3)
+    mask = torch.ones(3, 1, q.size(1), k.size(1), dtype=torch.bool)
+    mask[1, :, :, 3:] = False                                       # padding in row 1
+    mask[2] = torch.ones(q.size(1), k.size(1), dtype=torch.bool).tril()
+    for msk in (None, mask):
+        want, want_w = by_the_book(m, q, k, v, msk)
+        for need_weights in (False, True):                  # F.scaled_dot_product_attention, explicit softmax
+            out, w = m(q, k, v, msk, need_weights=need_weights)
+            check(out, want)
+            if need_weights:
+                check(w, want_w)
+
+
+def test_d_k_is_the_softmax_temperature():
+    "The scores are divided by sqrt(d_k), not by sqrt(d_v): doubling q and k's width at equal dot products shows it."
+    m = MultiHeadAttention(8, 2, d_k=8).double().eval()
+    s = x(1, 4, d=8)
+    _, w = m(s, s, s, need_weights=True)
+    _, want = by_the_book(m, s, s, s)
+    check(w, want)
+    # the wrong temperature sqrt(d_v) = 2 instead of sqrt(8) would give other weights
+    q = (s @ m.w_q.weight.T + m.w_q.bias).view(1, 4, 2, 8).transpose(1, 2)
+    k = (s @ m.w_k.weight.T + m.w_k.bias).view(1, 4, 2, 8).transpose(1, 2)
+    wrong = (q @ k.transpose(-1, -2) / 2).softmax(-1)
+    assert not torch.allclose(w, wrong, atol=1e-6)
+
+
+@pytest.mark.parametrize("d_model, h, d_k", [(16, 4, 2), (16, 4, 16), (512, 8, 32), (512, 8, 64), (12, 3, 5)])
+def test_d_k_parameter_count_and_shapes(d_model, h, d_k):
+    m = MultiHeadAttention(d_model, h, d_k=d_k)
+    assert m.w_q.weight.shape == m.w_k.weight.shape == (h * d_k, d_model)
+    assert m.w_v.weight.shape == m.w_o.weight.shape == (d_model, d_model)      # d_v = d_model / h stays
+    assert sum(p.numel() for p in m.parameters()) == 2 * (d_model * h * d_k + h * d_k) + 2 * (d_model ** 2 + d_model)
+    assert sum(p.numel() for p in MultiHeadAttention(d_model, h, bias=False, d_k=d_k).parameters()) \
+        == 2 * d_model * h * d_k + 2 * d_model ** 2
+    assert f"d_k={d_k}" in repr(m)
+
+
+@pytest.mark.parametrize("d_k", [0, -1, 2.5, True, False, "8", 8.0])
+def test_bad_d_k_is_refused_by_name(d_k):
+    with pytest.raises(ValueError, match=r"d_k=.* must be a positive int"):
+        MultiHeadAttention(16, 4, d_k=d_k)
+
+
+def test_default_d_k_is_d_model_over_h_bit_for_bit():
+    "d_k=None builds and computes exactly what d_k=d_model/h does: same weights from the same seed, same outputs."
+    outs = []
+    for d_k in (None, 4):
+        torch.manual_seed(3)
+        m = MultiHeadAttention(16, 4, d_k=d_k).eval()
+        assert m.d_k == m.d_v == 4
+        s, kv = x(2, 5).float(), x(2, 6, seed=2).float()
+        outs.append((m.state_dict(), m(s, s, s)[0], m(s, kv, kv)[0], m(s, kv, kv, need_weights=True)))
+    (sd1, *o1), (sd2, *o2) = outs
+    assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
+    assert all(torch.equal(a, b) for a, b in zip(o1[:2], o2[:2]))
+    assert torch.equal(o1[2][0], o2[2][0]) and torch.equal(o1[2][1], o2[2][1])
+
+
+def _previous_heads_module():
+    "transformer/heads.py as it was before d_k became a parameter (commit 7e82ea9), or None without that history."
+    import subprocess
+    import types
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    try:
+        text = subprocess.run(["git", "show", "7e82ea9:transformer/heads.py"], cwd=root, capture_output=True,
+                              text=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    module = types.ModuleType("previous_heads")
+    exec(compile(text.replace("from .attention", "from transformer.attention"), "previous_heads", "exec"),
+         module.__dict__)
+    return module
+
+
+def test_default_d_k_is_bit_identical_to_the_module_before_d_k():
+    previous = _previous_heads_module()
+    if previous is None:
+        pytest.skip("no git history here to read the previous heads.py from")
+    for bias in (True, False):
+        torch.manual_seed(4)
+        old = previous.MultiHeadAttention(16, 4, bias=bias).eval()
+        torch.manual_seed(4)
+        new = MultiHeadAttention(16, 4, bias=bias).eval()
+        s, kv = x(2, 5).float(), x(2, 6, seed=2).float()
+        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
+        mask[0, ..., 4:] = False
+        for args in ((s, s, s), (s, kv, kv), (s, kv, kv, mask), (s, kv, kv.flip(1))):
+            for need_weights in (False, True):
+                a, b = old(*args, need_weights=need_weights), new(*args, need_weights=need_weights)
+                assert torch.equal(a[0], b[0])
+                assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1])

@@ -11,6 +11,15 @@ from transformer.tokens import BOS, PAD
 V = 50
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    "One thread: tiny matrices gain nothing from more, and the test machine is busy."
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def tiny(**kw) -> Transformer:
     torch.manual_seed(0)
     cfg = dict(src_vocab=V, tgt_vocab=V, d_model=32, d_ff=64, h=4, n_layers=2, dropout=0.0, max_len=40)
@@ -318,3 +327,174 @@ def test_features_is_forward_without_the_generator():
     assert torch.equal(model(src, tgt_in), model.generator(model.features(src, tgt_in)))
     with pytest.raises(ValueError, match="different batch sizes"):
         model.features(src, tgt_in[:2])
+
+
+# ---- model variants: positions (Table 3, row E) and d_k (row B) as config fields --------------------
+
+POSITION_KINDS = ["sinusoidal", "learned", "none"]
+VARIANTS = [(p, d_k, nf) for p in POSITION_KINDS for d_k in (None, 3, 16) for nf in (False, True)]
+VARIANT_IDS = [f"{p}-dk{d_k}-{'pre' if nf else 'post'}" for p, d_k, nf in VARIANTS]
+
+
+def variant(positions="sinusoidal", d_k=None, norm_first=False, seed=0, **kw) -> Transformer:
+    "A small model of one variant, its weights random (learned positions too)."
+    torch.manual_seed(seed)
+    cfg = dict(src_vocab=V, tgt_vocab=V, d_model=32, d_ff=64, h=4, n_layers=2, dropout=0.0, max_len=40,
+               positions=positions, d_k=d_k, norm_first=norm_first)
+    return Transformer(TransformerConfig(**{**cfg, **kw})).eval()
+
+
+def test_positions_and_d_k_build_the_named_modules():
+    from transformer.model import POSITIONS
+    from transformer.positions import LearnedPositionalEmbedding, NoPositions, PositionalEncoding
+    assert POSITIONS == {"sinusoidal": PositionalEncoding, "learned": LearnedPositionalEmbedding,
+                         "none": NoPositions}
+    for positions, cls in POSITIONS.items():
+        m = variant(positions, d_k=6)
+        assert type(m.pos) is cls and m.pos.max_len == 40
+        attns = [m.encoder.layers[0].self_attn, m.decoder.layers[1].self_attn, m.decoder.layers[1].cross_attn]
+        assert all((a.d_k, a.d_v) == (6, 8) for a in attns)
+    c = TransformerConfig(src_vocab=V, tgt_vocab=V)
+    assert (c.positions, c.d_k) == ("sinusoidal", None)       # the paper's model by default
+
+
+@pytest.mark.parametrize("positions", POSITION_KINDS)
+@pytest.mark.parametrize("d_k", [None, 2, 8, 24])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_parameter_count_closed_form_with_d_k_and_positions(positions, d_k, norm_first):
+    c = variant(positions, d_k, norm_first).config
+    d, h, k = c.d_model, c.h, d_k or c.d_model // c.h
+    # the paper's count, with W^Q and W^K of h * d_k columns instead of d_model, plus a learned table
+    narrower = 2 * (d * h * k + h * k) - 2 * (d * d + d)
+    attentions = 3 * c.n_layers                                      # encoder self; decoder self and cross
+    table = c.max_len * d if positions == "learned" else 0
+    assert Transformer(c).num_parameters() == expected_count(c) + attentions * narrower + table
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("positions", "rope", r"positions='rope' is not one of 'sinusoidal', 'learned', 'none'"),
+    ("positions", "Sinusoidal", r"positions='Sinusoidal' is not one of"),
+    ("positions", None, r"positions=None is not one of"),
+    ("positions", ["learned"], r"positions=\['learned'\] is not one of"),
+    ("d_k", 0, r"d_k=0 must be a positive int, or None for d_model / h"),
+    ("d_k", -1, r"d_k=-1 must be a positive int"),
+    ("d_k", 2.5, r"d_k=2.5 must be a positive int"),
+    ("d_k", 8.0, r"d_k=8.0 must be a positive int"),
+    ("d_k", True, r"d_k=True must be a positive int"),
+    ("d_k", "8", r"d_k='8' must be a positive int"),
+])
+def test_bad_positions_and_d_k(field, value, match):
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig(src_vocab=V, tgt_vocab=V, **{field: value})
+    with pytest.raises(ValueError, match=match):
+        TransformerConfig.preset("tiny", src_vocab=V, tgt_vocab=V, **{field: value})
+
+
+def test_config_without_the_new_fields_loads_with_defaults():
+    "A config dict written before `positions` and `d_k` existed (an old checkpoint or config.json)."
+    new = TransformerConfig.preset("small", src_vocab=100, tgt_vocab=100, norm_first=True)
+    old = {k: v for k, v in new.to_dict().items() if k not in ("positions", "d_k")}
+    assert TransformerConfig.from_dict(old) == new
+    assert TransformerConfig.from_dict(old).to_dict() == {**old, "positions": "sinusoidal", "d_k": None}
+    c = TransformerConfig.preset("tiny", src_vocab=100, tgt_vocab=100, positions="none", d_k=4)
+    assert TransformerConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("positions, d_k, norm_first", VARIANTS, ids=VARIANT_IDS)
+def test_variant_cached_decoding_equals_uncached(positions, d_k, norm_first):
+    "The KV cache (values of width d_v, keys of width d_k, the position read from pe[t]) gives the full prefix's logits."
+    from transformer.decoding import CachedDecoder, PrefixDecoder, beam_search, greedy_search
+    from transformer.masking import padding_mask
+    m = variant(positions, d_k, norm_first, seed=5)
+    g = torch.Generator().manual_seed(6)
+    src = torch.randint(4, V, (5, 7), generator=g)
+    src[2, 3:] = PAD
+    assert greedy_search(m, src, 10) == greedy_search(m, src, 10, cache=False)
+    assert beam_search(m, src, 3, extra_len=10) == beam_search(m, src, 3, extra_len=10, cache=False)
+    mask = padding_mask(src)
+    memory = m.encode(src, mask)
+    cached, plain = CachedDecoder(m, memory, mask), PrefixDecoder(m, memory, mask)
+    ys = torch.full((5, 1), BOS)
+    with torch.no_grad():
+        for _ in range(8):
+            torch.testing.assert_close(cached.next_logits(ys), plain.next_logits(ys), rtol=0, atol=1e-5)
+            ys = torch.cat([ys, torch.randint(4, V, (5, 1), generator=g)], 1)
+
+
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
+def test_cached_decoding_reads_the_position_table(positions, monkeypatch):
+    "Zeroing the table the cached decoder reads breaks the equality: that test checks positions, not only shapes."
+    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.masking import padding_mask
+    m = variant(positions, seed=5)
+    src = torch.randint(4, V, (2, 5), generator=torch.Generator().manual_seed(1))
+    mask = padding_mask(src)
+    memory = m.encode(src, mask)
+    ys = torch.tensor([[BOS, 7, 9], [BOS, 8, 4]])
+    cached = CachedDecoder(m, memory, mask)
+    with torch.no_grad():
+        want = PrefixDecoder(m, memory, mask).next_logits(ys)
+        for t in range(1, 4):
+            got = cached.next_logits(ys[:, :t])
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        # the class attribute wins over the module's buffer or parameter
+        monkeypatch.setattr(type(m.pos), "pe", property(lambda self: torch.zeros(40, 32)), raising=False)
+        assert not m.pos.pe.any()
+        wrong = CachedDecoder(m, memory, mask)
+        for t in range(1, 4):
+            got = wrong.next_logits(ys[:, :t])
+    assert not torch.allclose(got, want, atol=1e-3)
+
+
+@pytest.mark.parametrize("positions, d_k, norm_first", VARIANTS, ids=VARIANT_IDS)
+def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
+    "save_checkpoint then model_from_checkpoint: the same config and bit-identical outputs (learned positions saved)."
+    from transformer.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    m = variant(positions, d_k, norm_first, seed=7)
+    save_checkpoint(tmp_path / "m.pt", m)
+    state = load_checkpoint(tmp_path / "m.pt")
+    assert state["model_config"]["positions"] == positions and state["model_config"]["d_k"] == d_k
+    assert ("pos.embedding.weight" in state["model"]) == (positions == "learned")
+    assert not any(k.endswith(".pe") or k == "pos.pe" for k in state["model"])
+    back = model_from_checkpoint(tmp_path / "m.pt")
+    assert back.config == m.config and type(back.pos) is type(m.pos)
+    src, tgt = batch()
+    assert torch.equal(back(src, tgt), m(src, tgt))
+    assert torch.equal(back.encode(src), m.encode(src))
+    other = variant(positions, d_k, norm_first, seed=8)        # another init: the equality above is not vacuous
+    assert not torch.allclose(other(src, tgt), m(src, tgt), atol=1e-3)
+    if positions == "learned":                                 # the table alone: reloaded, not re-drawn
+        other.load_state_dict({k: v for k, v in m.state_dict().items() if k != "pos.embedding.weight"},
+                              strict=False)
+        assert not torch.allclose(other(src, tgt), m(src, tgt), atol=1e-3)
+
+
+def test_checkpoint_from_before_the_new_fields_loads(tmp_path):
+    "An old checkpoint's model_config has no positions/d_k: it loads as the paper's model (sinusoids, d_model/h)."
+    from transformer.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    m = variant(seed=9)
+    save_checkpoint(tmp_path / "m.pt", m)
+    state = load_checkpoint(tmp_path / "m.pt")
+    for key in ("positions", "d_k"):
+        del state["model_config"][key]
+    torch.save(state, tmp_path / "old.pt")
+    back = model_from_checkpoint(tmp_path / "old.pt")
+    src, tgt = batch()
+    assert back.config == m.config and torch.equal(back(src, tgt), m(src, tgt))
+
+
+@pytest.mark.parametrize("positions, equivariant", [("none", True), ("sinusoidal", False), ("learned", False)])
+@pytest.mark.parametrize("d_k", [None, 3])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_is_permutation_equivariant_without_positions(positions, equivariant, d_k, norm_first):
+    "With no position information the encoder cannot tell the order: permuting the source permutes the memory."
+    m = variant(positions, d_k, norm_first, seed=3).double()
+    g = torch.Generator().manual_seed(4)
+    src = torch.randint(4, V, (3, 9), generator=g)                   # no padding
+    perm = torch.randperm(9, generator=g)
+    memory, permuted = m.encode(src), m.encode(src[:, perm])
+    assert torch.allclose(permuted, memory[:, perm], atol=1e-10) is equivariant
+    # and the decoder, which sees the source through cross-attention alone, gets the same logits
+    tgt = torch.randint(4, V, (3, 5), generator=g)
+    tgt[:, 0] = BOS
+    assert torch.allclose(m(src[:, perm], tgt), m(src, tgt), atol=1e-10) is equivariant

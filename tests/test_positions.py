@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from transformer.heads import MultiHeadAttention
-from transformer.positions import LearnedPositionalEmbedding, PositionalEncoding, sinusoidal_encoding
+from transformer.positions import LearnedPositionalEmbedding, NoPositions, PositionalEncoding, sinusoidal_encoding
 
 
 def test_formula_entries():
@@ -133,3 +133,71 @@ def test_bad_inputs(make, x, match):
 def test_bad_table_sizes(args, match):
     with pytest.raises(ValueError, match=match):
         sinusoidal_encoding(*args)
+
+
+# ---- NoPositions and the learned table under the name pe (Table 3, row E) --------------------------
+
+def test_no_positions_is_dropout_alone():
+    torch.manual_seed(0)
+    module = NoPositions(16, dropout=0.5, max_len=10)
+    x = torch.randn(2, 10, 16)
+    dropped = module(x)
+    assert (dropped == 0).any() and torch.allclose(dropped[dropped != 0], 2 * x[dropped != 0])   # inverted dropout
+    module.eval()
+    assert torch.equal(module(x), x) and torch.equal(module(x[:, :3]), x[:, :3])
+
+
+def test_no_positions_table_is_zeros_follows_dtype_and_is_not_saved():
+    module = NoPositions(8, max_len=12)
+    assert module.pe.shape == (12, 8) and not module.pe.any()
+    assert module.double().pe.dtype == torch.float64
+    assert dict(module.state_dict()) == {} and not list(module.parameters())
+    # the table the decoder reads one position of: x + pe[t] is x
+    x = torch.randn(1, 1, 8, dtype=torch.float64)
+    assert torch.equal(x + module.pe[5], x)
+
+
+def test_no_positions_makes_attention_permutation_equivariant():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(32, 4).double().eval()
+    x = torch.randn(2, 7, 32, dtype=torch.float64)
+    perm = torch.randperm(7)
+    for pos, equivariant in ((NoPositions(32).double().eval(), True),
+                             (PositionalEncoding(32).double().eval(), False),
+                             (LearnedPositionalEmbedding(32).double().eval(), False)):
+        y, y_perm = pos(x), pos(x[:, perm])
+        same = torch.allclose(mha(y_perm, y_perm, y_perm)[0], mha(y, y, y)[0][:, perm], atol=1e-12)
+        assert same is equivariant, type(pos).__name__
+
+
+def test_learned_pe_is_the_trained_table():
+    "`pe` of the learned module is its parameter itself (not a copy): what the cached decoder adds, trained."
+    torch.manual_seed(0)
+    module = LearnedPositionalEmbedding(8, max_len=6)
+    assert module.pe is module.embedding.weight and module.pe.shape == (6, 8) and module.pe.requires_grad
+    module(torch.zeros(1, 4, 8)).sum().backward()
+    assert torch.equal(module.pe.grad[:4], torch.ones(4, 8)) and not module.pe.grad[4:].any()
+    with torch.no_grad():
+        module.embedding.weight[2] += 1.0
+    assert torch.equal(module.eval()(torch.zeros(1, 3, 8))[0, 2], module.pe[2])
+    assert torch.equal(module.double().pe, module.embedding.weight) and module.pe.dtype == torch.float64
+    assert list(module.state_dict()) == ["embedding.weight"]
+
+
+@pytest.mark.parametrize("x, match", [
+    (torch.zeros(1, 9, 16), r"T=9 exceeds the positional table's max_len=8; build NoPositions with max_len>=9"),
+    (torch.zeros(1, 4, 12), r"NoPositions expects x of shape \(B, T, d_model=16\), got \(1, 4, 12\)"),
+    (torch.zeros(4, 16), r"\(B, T, d_model=16\)"),
+])
+def test_no_positions_bad_inputs(x, match):
+    with pytest.raises(ValueError, match=match):
+        NoPositions(16, max_len=8)(x)
+
+
+@pytest.mark.parametrize("max_len", [0, -1, 2.5, True])
+def test_no_positions_bad_table_size(max_len):
+    "Refused by name, as LearnedPositionalEmbedding and sinusoidal_encoding refuse it (not torch's RuntimeError)."
+    with pytest.raises(ValueError, match=r"max_len=.* must be a positive int"):
+        NoPositions(16, max_len=max_len)
+    with pytest.raises(ValueError, match=r"max_len=.* must be a positive int"):
+        LearnedPositionalEmbedding(16, max_len=max_len)

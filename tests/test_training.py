@@ -426,6 +426,37 @@ def test_model_bytes_bounds_the_real_model(preset):
     assert real <= model_bytes(config) <= 2 * real
 
 
+def test_check_resumable_reads_a_checkpoint_from_before_the_shape_fields(tmp_path):
+    "A last.pt whose model_config lacks positions and d_k is the paper's model; a real difference is still refused."
+    from transformer.checkpoints import check_resumable
+    config = TrainConfig(batch_tokens=512, max_steps=20)
+    model = Transformer(tiny_config())
+    saved = {"model_config": model.config.to_dict(), "train_config": asdict(config)}
+    for key in ("positions", "d_k"):
+        del saved["model_config"][key]
+    check_resumable(saved, config, model, tmp_path / "last.pt")
+    learned = Transformer(TransformerConfig(**{**tiny_config().to_dict(), "positions": "learned"}))
+    with pytest.raises(ValueError, match=r"the model differs positions='learned' \(saved 'sinusoidal'\)$"):
+        check_resumable(saved, config, learned, tmp_path / "last.pt")
+    narrow = Transformer(TransformerConfig(**{**tiny_config().to_dict(), "d_k": 4}))
+    with pytest.raises(ValueError, match=r"the model differs d_k=4 \(saved None\)$"):
+        check_resumable(saved, config, narrow, tmp_path / "last.pt")
+    saved["model_config"]["future_field"] = 1                   # not a config of this version: compared as it is
+    with pytest.raises(ValueError, match=r"the model differs positions='sinusoidal' \(saved None\)"):
+        check_resumable(saved, config, model, tmp_path / "last.pt")
+
+
+@pytest.mark.parametrize("d_k", [None, 8, 64, 256])
+@pytest.mark.parametrize("positions", ["sinusoidal", "learned", "none"])
+def test_model_bytes_bounds_every_variant(d_k, positions):
+    "Still an upper bound (not a loose one) when W^Q, W^K are h * d_k wide (Table 3, row B) and positions vary."
+    config = TransformerConfig.preset("tiny", src_vocab=8000, tgt_vocab=8000, d_k=d_k, positions=positions)
+    with torch.device("meta"):
+        model = Transformer(config)
+    real = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
+    assert real <= model_bytes(config) <= 2 * real
+
+
 def test_model_from_checkpoint_refuses_nan_and_huge(tmp_path):
     model = Transformer(tiny_config())
     save_checkpoint(tmp_path / "ok.pt", model)

@@ -179,7 +179,8 @@ def model_bytes(config: TransformerConfig) -> int:
     """Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper
     bound, computed, not built."""
     d, f, n = config.d_model, config.d_ff, config.n_layers
-    attention, ffn, norm = 4 * d * d + 4 * d, 2 * d * f + f + d, 2 * d
+    qk = config.h * (config.d_k or d // config.h)  # width of W^Q and W^K (Table 3, row B)
+    attention, ffn, norm = 2 * (d * qk + qk) + 2 * (d * d + d), 2 * d * f + f + d, 2 * d
     layers = (n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
               + 2 * norm)
     vocab = (max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings
@@ -332,10 +333,14 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
 def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None:
     """Refuse to resume `saved` (a `last.pt`) with another model, or with a training
     config that differs in a field outside `type(config).RESUMABLE`."""
-    if saved.get("model_config") != model.config.to_dict():
-        diff = {k: (v, saved.get("model_config", {}).get(k))
-                for k, v in model.config.to_dict().items()
-                if saved.get("model_config", {}).get(k) != v}
+    saved_model = saved.get("model_config", {})
+    try:  # a checkpoint from before a field existed has its default
+        saved_model = TransformerConfig.from_dict(saved_model).to_dict()
+    except (TypeError, ValueError, AttributeError):
+        pass  # not a config this package can build: the comparison below says how
+    if saved_model != model.config.to_dict():
+        diff = {k: (v, saved_model.get(k)) for k, v in model.config.to_dict().items()
+                if saved_model.get(k) != v}
         raise ValueError(f"cannot resume from {path}: the model differs " +
                          ", ".join(f"{k}={new!r} (saved {old!r})"
                                    for k, (new, old) in diff.items()))

@@ -79,7 +79,7 @@ class TransformerConfig:
             if (isinstance(value, bool) or not isinstance(value, (int, float))
                     or not 0 <= value < 1):
                 raise ValueError(f"{name}={value!r} must be in [0, 1)")
-        if self.positions not in POSITIONS:
+        if not isinstance(self.positions, str) or self.positions not in POSITIONS:
             raise ValueError(f"positions={self.positions!r} is not one of "
                              f"{', '.join(map(repr, POSITIONS))}")
         if self.arch not in ARCHS:

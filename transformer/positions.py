@@ -87,6 +87,8 @@ class NoPositions(nn.Module):
     table of zeros, so code that reads one position's vector (decoding) works unchanged."""
     def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000):
         super().__init__()
+        if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 1:
+            raise ValueError(f"max_len={max_len!r} must be a positive int")
         self.d_model, self.max_len = d_model, max_len
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("pe", torch.zeros(max_len, d_model), persistent=False)

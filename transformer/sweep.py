@@ -330,7 +330,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"copied the results of {n} finished variants to {args.results}")
     if failed:
         print(f"{len(failed)} variants failed: {', '.join(failed)} (their log.txt "
-              "says why); the same command retries them", file=sys.stderr)
+              "says why); the same command skips them, --retry-failed runs them "
+              "again", file=sys.stderr)
     return 1 if failed else 0
 
 

@@ -1,0 +1,356 @@
+"""Appendix C.3, sweep.py: `python -m transformer sweep`, the variant file, real tiny sweeps on Multi30k (two at
+once, skipped when done, stopped by a signal and resumed, failures kept and retried, evaluate variants, --results)."""
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from transformer.checkpoints import load_checkpoint
+from transformer.data import DataError, load_multi30k
+from transformer.sweep import (KEEP, SweepError, Variant, collect, command_line, main, read_variants,
+                               run_state)
+
+ROOT = Path(__file__).resolve().parents[1]
+# a one-layer tiny model, a few steps, a few sentences: each variant takes seconds on one thread
+BASE = ["--preset", "tiny", "--max-steps", "6", "--eval-every", "3", "--eval-sentences", "8", "--vocab-size", "300",
+        "--batch-tokens", "600", "--beam", "1", "--no-download", "--d-model", "32", "--d-ff", "64", "--layers", "1"]
+BAD_SHAPE = ["--d-model", "100", "--heads", "3"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def multi30k():
+    "A missing corpus is a failure, not a skip (as in test_cli.py)."
+    try:
+        load_multi30k("de", "en", "val", progress=False)
+    except DataError as e:
+        pytest.fail(f"the sweep tests need Multi30k: {e}")
+
+
+def sweep(*argv):
+    "sweep.main(argv) in this process: (exit code, stdout, stderr)."
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
+def write_variants(path, variants, base=BASE):
+    path.write_text(json.dumps({"base": base, "variants": variants}, indent=1))
+    return path
+
+
+def commands_in_log(run_dir):
+    "The command lines the sweep started for a variant, in order (the `$ ...` lines of its log.txt)."
+    return [line[2:] for line in (run_dir / "log.txt").read_text().splitlines() if line.startswith("$ ")]
+
+
+# ---- the variant file ------------------------------------------------------------------------------------------
+
+def entry(**kw):
+    return {"name": "a", "row": "x", **kw}
+
+
+BAD_FILES = [  # (what, file content or None for a missing file, part of the message)
+    ("missing file", None, "cannot read the variant file"),
+    ("not JSON", "{'base': []", "is not valid JSON (line 1"),
+    ("a list, not an object", "[]", 'must hold a JSON object with a "variants" list'),
+    ("no variants", json.dumps({"base": []}), 'must hold a JSON object with a "variants" list'),
+    ("base not a list", json.dumps({"base": "--preset tiny", "variants": []}), '"base" must be a list of strings'),
+    ("base holds a number", json.dumps({"base": ["--max-steps", 6], "variants": []}), '"base" must be a list'),
+    ("entry not an object", json.dumps({"variants": [entry(), "b"]}), "variant 2: expected an object, got 'b'"),
+    ("unknown key", json.dumps({"variants": [entry(arg=[])]}), "variant 1: unknown keys ['arg']; known: name, row"),
+    ("missing row", json.dumps({"variants": [{"name": "a"}]}), 'variant 1: "name" and "row" are required'),
+    ("missing name", json.dumps({"variants": [{"row": "x"}]}), 'variant 1: "name" and "row" are required'),
+    ("name escapes --out", json.dumps({"variants": [entry(name="../x")]}), "variant 1: name '../x' must be a"),
+    ("name with a slash", json.dumps({"variants": [entry(), entry(name="a/b")]}), "variant 2: name 'a/b' must be"),
+    ("empty name", json.dumps({"variants": [entry(name="")]}), "variant 1: name '' must be a non-empty directory"),
+    ("name ..", json.dumps({"variants": [entry(name="..")]}), "variant 1: name '..' must be"),
+    ("name with a space", json.dumps({"variants": [entry(name="a b")]}), "variant 1: name 'a b' must be"),
+    ("name not a string", json.dumps({"variants": [entry(name=3)]}), "variant 1: name 3 must be"),
+    ("duplicate name", json.dumps({"variants": [entry(), entry(name="b"), entry(row="y")]}),
+     "variant 3: the name 'a' is used twice"),
+    ("args a string", json.dumps({"variants": [entry(args="--heads 2")]}),
+     'variant 1 (a): "args" must be a list of strings'),
+    ("args hold a number", json.dumps({"variants": [entry(), entry(name="b", args=["--heads", 2])]}),
+     'variant 2 (b): "args" must be a list of strings'),
+    ("unknown command", json.dumps({"variants": [entry(command="translate")]}),
+     "variant 1 (a): command 'translate' is not one of train, evaluate"),
+]
+
+
+@pytest.mark.parametrize("what, text, match", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_variant_file_names_the_entry(tmp_path, what, text, match):
+    path = tmp_path / "variants.json"
+    if text is not None:
+        path.write_text(text)
+    with pytest.raises(SweepError, match=None) as e:
+        read_variants(path)
+    assert match in str(e.value) and str(path) in str(e.value) and "\n" not in str(e.value)
+    # the command: one line, exit code 2, nothing run or created
+    code, out, err = sweep(path, "--out", tmp_path / "runs")
+    assert code == 2 and out == "" and err == f"error: {e.value}\n"
+    assert not (tmp_path / "runs").exists()
+
+
+def test_good_variant_file_and_defaults(tmp_path):
+    path = write_variants(tmp_path / "v.json", [{"name": "base-s0", "row": "base"},
+                                                {"name": "E_none.1", "row": "E", "args": ["--positions", "none"],
+                                                 "note": "no positions"},
+                                                {"name": "ev", "row": "d", "command": "evaluate", "args": []}])
+    base, variants = read_variants(path)
+    assert base == BASE
+    assert variants == [Variant("base-s0", "base"), Variant("E_none.1", "E", ["--positions", "none"], "train",
+                                                            "no positions"),
+                        Variant("ev", "d", [], "evaluate")]
+    path.write_text(json.dumps({"variants": []}))
+    assert read_variants(path) == ([], [])
+
+
+def test_the_committed_variant_file_is_valid():
+    "Every variant of the book's sweep parses as a train (or evaluate) command and gives a valid model config."
+    from transformer.cli import build_parser
+    from transformer.cli_train import _configs
+    base, variants = read_variants(ROOT / "book" / "results" / "claims" / "variants.json")
+    assert len({v.name for v in variants}) == len(variants) > 1
+    plain = _configs(build_parser().parse_args(["train", *base]), 8000)
+    for v in variants:
+        if v.command == "train":
+            args = build_parser().parse_args(["train", *base, *v.args, "--out", "x"])
+            # a variant with args changes something (a flag that repeats the base's value is a typo)
+            assert (_configs(args, 8000) != plain) == bool(v.args), v.name
+        else:
+            args = build_parser().parse_args(["evaluate", *v.args, "--json"])
+            assert (ROOT / args.model / "best.pt").exists(), v.name
+
+
+def test_sweep_option_errors(tmp_path):
+    path = write_variants(tmp_path / "v.json", [entry()])
+    for argv, match in ((["--only", "a", "zz", "yy"], f"error: --only: no variant named yy, zz in {path}"),
+                        (["--jobs", "0"], "error: --jobs and --threads must be >= 1"),
+                        (["--threads", "0"], "error: --jobs and --threads must be >= 1")):
+        code, out, err = sweep(path, "--out", tmp_path / "runs", *argv)
+        assert code == 2 and out == "" and err.strip() == match, err
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- the state of a run directory and the command that runs it ----------------------------------------------------
+
+def test_run_state_and_command_line(tmp_path):
+    run = tmp_path / "a"
+    v = Variant("a", "x", ["--heads", "2"])
+    assert run_state(run) == "new"
+    cmd = command_line(v, ["--preset", "tiny"], run, ["--threads", "1"])
+    assert cmd == [sys.executable, "-m", "transformer", "train", "--preset", "tiny", "--heads", "2", "--out", str(run),
+                   "--quiet", "--threads", "1"]
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert run_state(run) == "new"                       # a stub, no checkpoint yet
+    (run / "last.pt").write_bytes(b"")
+    assert run_state(run) == "interrupted" and command_line(v, [], run)[-1] == "--resume"
+    (run / "failed.json").write_text("{}")
+    assert run_state(run) == "failed"
+    (run / "results.json").write_text("{}")
+    assert run_state(run) == "done"
+    ev = Variant("e", "d", ["--model", "m", "--split", "val"], "evaluate")
+    assert command_line(ev, ["--preset", "tiny"], tmp_path / "e", ["--threads", "1"]) == \
+        [sys.executable, "-m", "transformer", "evaluate", "--model", "m", "--split", "val", "--json", "--threads", "1"]
+
+
+# ---- a real sweep ------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def swept(multi30k, tmp_path_factory):
+    """Two train variants two at a time (one with a stub left by a run killed before its first checkpoint), one that
+    train refuses, one evaluate variant that fails; then an evaluate variant of a finished run."""
+    tmp = tmp_path_factory.mktemp("sweep")
+    out = tmp / "runs"
+    path = write_variants(tmp / "variants.json", [
+        {"name": "a", "row": "base", "note": "the base"},
+        {"name": "b", "row": "E", "args": ["--positions", "none", "--d-k", "8", "--norm", "pre"]},
+        {"name": "bad", "row": "A", "args": BAD_SHAPE},
+        {"name": "ev-missing", "row": "d", "command": "evaluate", "args": ["--model", str(tmp / "nowhere")]},
+        {"name": "ev", "row": "d", "command": "evaluate",
+         "args": ["--model", str(out / "a"), "--split", "val", "--limit", "5", "--beam", "1"]},
+    ])
+    (out / "b").mkdir(parents=True)
+    (out / "b" / "config.json").write_text("{}")                   # a stub: the run must start afresh
+    code, list_out, err = sweep(path, "--out", out, "--list")
+    assert code == 0, err
+    first = sweep(path, "--out", out, "--jobs", 2, "--threads", 1, "--only", "a", "b", "bad", "ev-missing")
+    second = sweep(path, "--out", out, "--threads", 1, "--only", "ev")
+    return path, out, list_out, first, second
+
+
+def test_list_prints_each_state_and_command(swept, tmp_path):
+    path, out, list_out, *_ = swept
+    lines = list_out.splitlines()
+    assert [line.split()[:2] for line in lines] == [["new", "a"], ["new", "b"], ["new", "bad"], ["new", "ev-missing"],
+                                                    ["new", "ev"]]
+    assert lines[0].split(None, 2)[2] == " ".join(["-m", "transformer", "train", *BASE, "--out", str(out / "a"),
+                                                   "--quiet"])
+    assert "evaluate --model" in lines[-1] and lines[-1].endswith("--beam 1 --json")
+    code, now, err = sweep(path, "--out", out, "--list", "--threads", 1)
+    assert code == 0 and err == ""
+    states = {line.split()[1]: line.split()[0] for line in now.splitlines()}
+    assert states == {"a": "done", "b": "done", "bad": "failed", "ev-missing": "failed", "ev": "done"}
+    assert all(line.endswith("--threads 1") for line in now.splitlines())
+
+
+def test_sweep_runs_variants_two_at_a_time_and_writes_results(swept):
+    path, out, _, (code, stdout, err), _ = swept
+    assert code == 1, err                                          # two variants failed
+    lines = stdout.splitlines()
+    assert lines[0] == f"4 variants: 0 done before, 4 to run, 2 at a time; run directories in {out}"
+    assert lines[1].startswith("start  a: -m transformer train --preset tiny")
+    assert lines[2].startswith("start  b: ") and "--positions none --d-k 8 --norm pre" in lines[2]
+    assert lines[2].endswith("--quiet --threads 1")
+    assert sum(line.startswith("done   ") for line in lines) == 2 and sum("FAILED" in line for line in lines) == 2
+    assert err.strip() == ("2 variants failed: bad, ev-missing (their log.txt says why); the same command skips "
+                           "them, --retry-failed runs them again")
+    for name, positions, d_k, norm_first in (("a", "sinusoidal", None, False), ("b", "none", 8, True)):
+        results = json.loads((out / name / "results.json").read_text())
+        assert results["steps"] == 6 and results["stopped"] == "max_steps" and results["threads"] == 1
+        model = json.loads((out / name / "config.json").read_text())["model"]
+        assert (model["positions"], model["d_k"], model["norm_first"], model["d_model"]) == \
+            (positions, d_k, norm_first, 32)
+        assert load_checkpoint(out / name / "best.pt")["model_config"] == model
+        started = lines[1 + "ab".index(name)].split(": ", 1)[1]
+        assert commands_in_log(out / name) == [f"{shlex.quote(sys.executable)} {started}"]
+        assert not (out / name / "failed.json").exists()
+
+
+def test_a_failed_variant_writes_failed_json(swept):
+    path, out, *_ = swept
+    failed = json.loads((out / "bad" / "failed.json").read_text())
+    assert failed["returncode"] == 1
+    assert failed["error"].startswith("error: --d-model 100 is not divisible by --heads 3")
+    assert failed["command"].startswith("-m transformer train --preset tiny") and "--heads 3" in failed["command"]
+    assert sorted(p.name for p in (out / "bad").iterdir()) == ["failed.json", "log.txt"]   # train left nothing
+    missing = json.loads((out / "ev-missing" / "failed.json").read_text())
+    assert missing["returncode"] == 1 and "no such directory" in missing["error"]
+    assert not (out / "ev-missing" / "results.json").exists()
+
+
+def test_an_evaluate_variant_writes_results(swept):
+    path, out, _, _, (code, stdout, err) = swept
+    assert code == 0, err
+    assert stdout.splitlines()[0] == f"1 variants: 0 done before, 1 to run, 1 at a time; run directories in {out}"
+    results = json.loads((out / "ev" / "results.json").read_text())
+    assert results["variant"] == "ev" and results["sentences"] == 5 and results["beam"] == 1
+    assert results["alpha"] == 0.6 and 0 <= results["bleu"] <= 100 and 0 <= results["bleu_lc_tok"] <= 100
+    assert results["command"] == " ".join(["-m", "transformer", "evaluate", "--model", str(out / "a"), "--split",
+                                           "val", "--limit", "5", "--beam", "1", "--json", "--threads", "1"])
+    # results.json is evaluate's JSON line (kept in the log too), with the variant and command added
+    printed = json.loads((out / "ev" / "log.txt").read_text().strip().splitlines()[-1])
+    assert results == {**printed, "variant": "ev", "command": results["command"]}
+
+
+def test_second_call_skips_everything_and_failed_is_retried_on_request(swept, tmp_path):
+    path, out, *_ = swept
+    logs = {name: (out / name / "log.txt").read_text() for name in ("a", "b", "bad", "ev")}
+    done = {name: (out / name / "results.json").stat().st_mtime_ns for name in ("a", "b", "ev")}
+    code, stdout, err = sweep(path, "--out", out, "--jobs", 2, "--threads", 1)
+    assert code == 0 and err == "", err                            # a failure is a result: kept, not run again
+    assert stdout.splitlines() == [f"5 variants: 5 done before, 0 to run, 2 at a time; run directories in {out}"]
+    assert {name: (out / name / "log.txt").read_text() for name in logs} == logs
+    assert {name: (out / name / "results.json").stat().st_mtime_ns for name in done} == done
+    # --retry-failed runs the failed variant again (here it fails again: a second command in its log)
+    code, stdout, err = sweep(path, "--out", out, "--threads", 1, "--only", "bad", "--retry-failed")
+    assert code == 1 and "1 variants failed: bad" in err
+    assert stdout.splitlines()[0].startswith("1 variants: 0 done before, 1 to run")
+    assert len(commands_in_log(out / "bad")) == 2
+    assert json.loads((out / "bad" / "failed.json").read_text())["returncode"] == 1
+    assert (out / "a" / "log.txt").read_text() == logs["a"]
+
+
+def test_results_copies_the_small_files_and_collect_reads_them(swept, tmp_path):
+    path, out, *_ = swept
+    dest = tmp_path / "results"
+    code, stdout, err = sweep(path, "--out", out, "--results", dest)
+    assert code == 0, err
+    assert stdout.splitlines()[-1] == f"copied the results of 5 finished variants to {dest}"
+    copied = {p.relative_to(dest).as_posix() for p in dest.rglob("*") if p.is_file()}
+    assert copied == {"a/config.json", "a/metrics.jsonl", "a/results.json",
+                      "b/config.json", "b/metrics.jsonl", "b/results.json",
+                      "bad/failed.json", "ev-missing/failed.json", "ev/results.json"}
+    assert set(KEEP) == {"config.json", "metrics.jsonl", "results.json", "failed.json"}
+    for f in copied:
+        assert (dest / f).read_bytes() == (out / f).read_bytes(), f
+    _, variants = read_variants(path)
+    rows = collect(out, variants)
+    assert [(r["name"], r["state"]) for r in rows] == [("a", "done"), ("b", "done"), ("bad", "failed"),
+                                                       ("ev-missing", "failed"), ("ev", "done")]
+    a, b, bad, missing, ev = rows
+    assert a["row"] == "base" and a["note"] == "the base" and a["steps"] == 6 and a["params"] > 0
+    last_eval = [json.loads(line) for line in (out / "a" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert a["val_ppl"] == last_eval["val_ppl"] and a["val_bleu"] >= 0 and a["test_bleu"] >= 0
+    assert b["params"] != a["params"]                      # d_k 8 of 16: narrower W^Q, W^K
+    assert bad["error"].startswith("error: --d-model 100 is not divisible") and "steps" not in bad
+    assert ev["command"] == "evaluate" and ev["beam"] == 1 and ev["alpha"] == 0.6 and ev["val_bleu"] >= 0
+    assert collect(dest, variants) == rows                  # the committed copy is enough for the table
+    assert collect(tmp_path / "nothing", variants) == []
+
+
+# ---- stopped by a signal, resumed ----------------------------------------------------------------------------------
+
+def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
+    """SIGTERM to `python -m transformer sweep`: the child saves last.pt, the sweep exits 130; the same command (its
+    budget now set) continues the variant with --resume up to --max-steps."""
+    out = tmp_path / "runs"
+    path = write_variants(tmp_path / "v.json", [{"name": "long", "row": "x", "args": ["--max-steps", "100000"]}])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "transformer", "sweep", str(path), "--out", str(out),
+                             "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and proc.poll() is None and not (out / "long" / "last.pt").exists():
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGTERM)
+        stdout, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert err.strip() == "sweep stopped; run the same command again to resume"
+    state = load_checkpoint(out / "long" / "last.pt")                  # whole, loadable
+    step = state["progress"]["step"]
+    assert step >= 3
+    log = (out / "long" / "log.txt").read_text()
+    assert f"SIGTERM at step {step}: saved {out / 'long' / 'last.pt'}" in log and "Traceback" not in log
+    assert run_state(out / "long") == "interrupted" and not (out / "long" / "failed.json").exists()
+    code, listed, _ = sweep(path, "--out", out, "--list", "--threads", 1)
+    assert listed.split()[:2] == ["interrupted", "long"] and listed.rstrip().endswith("--threads 1 --resume")
+    # the same sweep, with a budget that ends soon
+    write_variants(path, [{"name": "long", "row": "x", "args": ["--max-steps", str(step + 3)]}])
+    code, stdout, err = sweep(path, "--out", out, "--threads", 1)
+    assert code == 0, (out / "long" / "log.txt").read_text()
+    first, again = commands_in_log(out / "long")
+    assert "--resume" not in first and again.endswith("--threads 1 --resume")
+    results = json.loads((out / "long" / "results.json").read_text())
+    assert results["steps"] == step + 3
+    records = [json.loads(line) for line in (out / "long" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["step"] for r in records if r["kind"] == "eval"]
+    assert evals == sorted(set(evals)) and evals[-1] == step + 3   # continued where it stopped, none repeated
+    # every 3 steps before the stop (a signal skips the evaluation of its step), then after it, and the last step
+    assert [s for s in evals if s < step] == list(range(3, step, 3))
+    assert [s for s in evals if s > step] == sorted({s for s in range(step + 1, step + 3) if s % 3 == 0} | {step + 3})
+    trains = [r["step"] for r in records if r["kind"] == "train"]
+    assert trains == sorted(set(trains)) and trains[-1] == step + 3
+    assert load_checkpoint(out / "long" / "last.pt")["progress"]["step"] == step + 3
