@@ -200,3 +200,24 @@ def test_train_command_with_arch_writes_a_run_that_translates(tmp_path):
     done = subprocess.run([sys.executable, "-m", "transformer", "attend", "--model", str(out),
                            "Ein Hund."], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 1 and "decoder-only model" in done.stderr
+
+
+@pytest.mark.parametrize("arch", ["decoder-only", "prefix-lm"])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_cached_decoding_equals_recomputing(arch, norm_first):
+    torch.manual_seed(0)
+    model = DecoderOnly(config(arch, norm_first=norm_first)).eval()
+    src, _ = batch(2)
+    assert greedy_search(model, src, extra_len=8) == greedy_search(model, src, extra_len=8,
+                                                                   cache=False)
+    assert beam_search(model, src, beam_size=3, extra_len=8) == beam_search(
+        model, src, beam_size=3, extra_len=8, cache=False)
+    cached, full = model.decoding_state(src, 2, True, 16), model.decoding_state(src, 2, False)
+    ys = torch.full((6, 1), BOS)
+    for _ in range(6):
+        a, b = cached.next_logits(ys), full.next_logits(ys)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        rows = torch.tensor([1, 0, 3, 2, 5, 4])          # a beam-style reordering
+        cached.reorder(rows)
+        full.reorder(rows)
+        ys = torch.cat([ys[rows], a[rows].argmax(-1, keepdim=True)], 1)

@@ -44,16 +44,19 @@ class EncoderLayer(nn.Module):
         self.dropout1, self.dropout2 = Dropout(dropout), Dropout(dropout)
         self.norm_first = norm_first
 
-    def _sa(self, x, mask):  # the self-attention sub-layer
-        return self.self_attn(x, x, x, mask)[0]
-
     def forward(self, x: torch.Tensor,
                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.sublayers(x, lambda z: self.self_attn(z, z, z, mask)[0])
+
+    def sublayers(self, x: torch.Tensor, self_attention) -> torch.Tensor:
+        """The two wrapped sub-layers; `self_attention(z)` says what attention sees (as
+        `DecoderLayer.sublayers`: chapter 19.1's decoder-only model decodes with a
+        key/value cache through this same code)."""
         if self.norm_first:               # pre-LN: x + Dropout(Sublayer(LayerNorm(x)))
-            x = self.dropout1.residual(x, self._sa(self.norm1(x), mask))
+            x = self.dropout1.residual(x, self_attention(self.norm1(x)))
             x = self.dropout2.residual(x, self.feed_forward(self.norm2(x)))
         else:               # post-LN, the paper: LayerNorm(x + Dropout(Sublayer(x)))
-            x = self.norm1(self.dropout1.residual(x, self._sa(x, mask)))
+            x = self.norm1(self.dropout1.residual(x, self_attention(x)))
             x = self.norm2(self.dropout2.residual(x, self.feed_forward(x)))
         return x                                                     # (B, T, d_model)
 

@@ -66,8 +66,8 @@ def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.
 
 class KVCache:
     """The keys and values of the positions so far, for one self-attention layer: two
-    tensors (N, h, capacity, d_k) allocated once, filled one position per step (no
-    tensor grows by concatenation)."""
+    tensors (N, h, capacity, d_k) allocated once, filled one position per step, or a
+    whole prefix at once (no tensor grows by concatenation)."""
 
     def __init__(self, capacity: int):
         self.capacity, self.length = capacity, 0
@@ -75,17 +75,18 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        "Store the new position's k, v (N, h, 1, d_k); return all (N, h, t+1, d_k)."
+        "Store the new positions' k, v (N, h, n, d_k); return all (N, h, length, d_k)."
         if self.k is None:
             N, h, _, d_k = k.shape
             self.k = k.new_empty(N, h, self.capacity, d_k)
             self.v = v.new_empty(N, h, self.capacity, v.size(-1))   # d_v
-        if self.length == self.capacity:
+        start, n = self.length, k.size(2)
+        if start + n > self.capacity:
             raise ValueError(f"the cache holds {self.capacity} positions; "
                              "decode no longer than that")
-        self.k[:, :, self.length] = k[:, :, 0]
-        self.v[:, :, self.length] = v[:, :, 0]
-        self.length += 1
+        self.k[:, :, start:start + n] = k
+        self.v[:, :, start:start + n] = v
+        self.length += n
         return self.k[:, :, :self.length], self.v[:, :, :self.length]
 
     def reorder(self, index: torch.Tensor) -> None:

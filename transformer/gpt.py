@@ -9,9 +9,10 @@ from torch import nn
 from .tokens import Embeddings
 from .blocks import Dropout, Encoder
 from .model import POSITIONS, Transformer, TransformerConfig
+from .decoding import KVCache, _attend, _heads
 
 # %% auto #0
-__all__ = ['pack', 'sequence_mask', 'DecoderOnly', 'PrefixState', 'build_model']
+__all__ = ['pack', 'sequence_mask', 'DecoderOnly', 'PrefixState', 'build_model', 'CachedState']
 
 # %% ../book/19_1_gpt.ipynb #g005
 def pack(src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int
@@ -88,9 +89,12 @@ class DecoderOnly(nn.Module):
         return self.generator(self.features(src, tgt_in))
 
     def decoding_state(self, src: torch.Tensor, copies: int, cache: bool = True,
-                       capacity: int | None = None) -> "PrefixState":
-        "What chapter 9's greedy and beam search call for next-token logits."
-        return PrefixState(self, src.repeat_interleave(copies, 0))
+                       capacity: int | None = None):
+        """What chapter 9's greedy and beam search call for next-token logits: with the
+        key/value cache (`CachedState`), or recomputing everything (`PrefixState`)."""
+        src = src.repeat_interleave(copies, 0)
+        return (CachedState(self, src, capacity or self.config.max_len) if cache
+                else PrefixState(self, src))
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -116,10 +120,9 @@ def _check(c: TransformerConfig, src: torch.Tensor, tgt_in: torch.Tensor,
 
 
 class PrefixState:
-    """Greedy and beam search's view of a `DecoderOnly`: the logits of the next token
-    of each row, by running the stack over source + the target so far. No k/v
-    cache here: every step recomputes the whole sequence (chapter 19's model
-    shows the cache of a decoder-only model)."""
+    """Greedy and beam search's view of a `DecoderOnly` without a cache: the logits of
+    the next token of each row, by running the stack over source + the target so far
+    (the training computation; the reference `CachedState` must equal)."""
 
     def __init__(self, model: DecoderOnly, src: torch.Tensor):
         self.model, self.src = model, src
@@ -135,3 +138,44 @@ class PrefixState:
 def build_model(config: TransformerConfig) -> nn.Module:
     "The model a config describes: `Transformer`, or `DecoderOnly` for its archs."
     return Transformer(config) if config.arch == "encoder-decoder" else DecoderOnly(config)
+
+# %% ../book/19_1_gpt.ipynb #g012b
+class CachedState:
+    """Decoding with chapter 9's key/value cache: the source runs through the stack
+    once (its keys and values stored per layer, padding slots masked), then each step
+    runs only the newest token, at its own position `n_src + t`, through every
+    layer's `sublayers` (chapter 6), attending over everything stored."""
+
+    def __init__(self, model: DecoderOnly, src: torch.Tensor, capacity: int):
+        self.model, c = model, model.config
+        self.n_src = (src != c.pad_id).sum(1)                            # (N,)
+        self.keys_ok = src != c.pad_id                                   # (N, S)
+        self.caches = [KVCache(src.size(1) + capacity) for _ in model.stack.layers]
+        mask = sequence_mask(src, self.n_src, c.pad_id,
+                             prefix=c.arch == "prefix-lm")              # (N, 1, S, S)
+        x = model.pos(model.embed(src))                                  # (N, S, d_model)
+        for layer, cache in zip(model.stack.layers, self.caches):
+            x = layer.sublayers(x, lambda z: self._attend(layer, cache, z, mask))
+
+    @staticmethod
+    def _attend(layer, cache: KVCache, z: torch.Tensor, mask: torch.Tensor):
+        sa = layer.self_attn
+        k, v = cache.append(_heads(sa, sa.w_k(z)), _heads(sa, sa.w_v(z)))
+        return _attend(sa, z, k, v, mask)
+
+    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
+        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new."
+        m, t = self.model, ys.size(1) - 1
+        x = m.embed(ys[:, -1:]) + m.pos.pe[self.n_src + t][:, None]      # (N, 1, d_model)
+        self.keys_ok = torch.cat([self.keys_ok, self.keys_ok.new_ones(ys.size(0), 1)], 1)
+        mask = self.keys_ok[:, None, None, :]                            # (N, 1, 1, L)
+        for layer, cache in zip(m.stack.layers, self.caches):
+            x = layer.sublayers(x, lambda z: self._attend(layer, cache, z, mask))
+        return m.generator(m.stack.norm(x)[:, -1])                      # (N, V)
+
+    def reorder(self, rows) -> None:
+        "Beam search re-ordered the rows: caches, source lengths and masks follow."
+        index = torch.as_tensor(rows, device=self.n_src.device)
+        self.n_src, self.keys_ok = self.n_src[index], self.keys_ok[index]
+        for cache in self.caches:
+            cache.reorder(index)
