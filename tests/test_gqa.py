@@ -1,5 +1,6 @@
-"""Chapter 15: grouped-query attention. g = h is chapter 4's MultiHeadAttention, every g is
-PyTorch's enable_gqa kernel, cached decoding is the full forward, and bad inputs are refused."""
+"""Chapter 15: grouped-query attention. g = h is chapter 4's MultiHeadAttention, every g
+is PyTorch's enable_gqa kernel, cached decoding is the full forward, and bad inputs are
+refused."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,8 @@ def test_g_equal_h_is_multi_head_attention(bias):
     gqa = GroupedQueryAttention(D, H, H, bias=bias).double().eval()
     gqa.load_state_dict(mha.state_dict())
     x = torch.randn(2, 9, D, dtype=torch.float64)
-    assert torch.allclose(gqa(x, is_causal=True), mha(x, x, x, is_causal=True)[0], atol=1e-12)
+    ref, _ = mha(x, x, x, is_causal=True)
+    assert torch.allclose(gqa(x, is_causal=True), ref, atol=1e-12)
     assert torch.allclose(gqa(x), mha(x, x, x)[0], atol=1e-12)
 
 
@@ -66,7 +68,8 @@ def test_the_query_heads_of_a_group_read_one_key_value_head():
     with torch.no_grad():
         m.w_v.weight[4:8] += 1.0                      # value head 1 (rows 4..7)
     after = per_head(m)
-    changed = [(after[:, :, j] - before[:, :, j]).abs().max().item() > 1e-6 for j in range(4)]
+    changed = [(after[:, :, j] - before[:, :, j]).abs().max().item() > 1e-6
+               for j in range(4)]
     assert changed == [False, False, True, True]
 
 
@@ -84,7 +87,8 @@ def test_cached_decoding_equals_the_full_forward(g):
         assert cache.length == 15
     # two chunks of several positions each: the shifted causal mask
     cache = KVCache(15)
-    parts = [m(x[:, :6], is_causal=True, cache=cache), m(x[:, 6:], is_causal=True, cache=cache)]
+    parts = [m(x[:, :6], is_causal=True, cache=cache),
+             m(x[:, 6:], is_causal=True, cache=cache)]
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
 
 
@@ -103,7 +107,8 @@ def test_cache_bytes(g):
     (lambda: GroupedQueryAttention(48, 6, 4), "h=6 query heads cannot be split into g=4"),
     (lambda: GroupedQueryAttention(48, 6, 0), "g=0 must be a positive int"),
     (lambda: GroupedQueryAttention(48, 5, 5), "d_model=48 is not divisible by h=5"),
-    (lambda: GroupedQueryAttention(48, 8, 8, d_head=5, rope_base=1e4), "d_head=5 must be even"),
+    (lambda: GroupedQueryAttention(48, 8, 8, d_head=5, rope_base=1e4),
+     "d_head=5 must be even"),
     (lambda: GroupedQueryAttention(48, 6, 2, dropout=1.0), "dropout=1.0"),
     (lambda: KVCache(0), "capacity=0"),
 ])

@@ -50,7 +50,8 @@ def test_swiglu_is_its_equation_and_has_no_biases():
     expect = (F.silu(x @ ffn.w_1.weight.T) * (x @ ffn.v.weight.T)) @ ffn.w_2.weight.T
     assert torch.allclose(ffn(x), expect, atol=1e-12)
     assert sum(p.numel() for p in ffn.parameters()) == 3 * 16 * 24
-    assert sum(p.numel() for p in SwiGLU(16, 24, bias=True).parameters()) == 3 * 16 * 24 + 2 * 24 + 16
+    with_bias = SwiGLU(16, 24, bias=True)
+    assert sum(p.numel() for p in with_bias.parameters()) == 3 * 16 * 24 + 2 * 24 + 16
 
 
 @pytest.mark.parametrize("d_model, multiple_of, d_ff", [

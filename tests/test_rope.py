@@ -83,7 +83,8 @@ def test_offset_gives_the_rows_of_a_longer_table_and_dtypes_follow():
     (lambda: apply_rope(torch.zeros(5, 8), *rope_cos_sin(4, 8)), "x has T=5 positions"),
     (lambda: apply_rope(torch.zeros(4, 8), torch.zeros(4, 4), torch.zeros(4, 3)),
      "must have the same shape"),
-    (lambda: apply_rope(torch.zeros(8), *rope_cos_sin(4, 8)), "must be \\(..., T, d_head\\)"),
+    (lambda: apply_rope(torch.zeros(8), *rope_cos_sin(4, 8)),
+     "must be \\(..., T, d_head\\)"),
 ])
 def test_bad_inputs_name_the_value(call, message):
     with pytest.raises(ValueError, match=message):
