@@ -1,5 +1,5 @@
-"""Chapter 16: tiled attention (the online softmax) equals chapter 2's attention, and its memory does not
-grow with the square of the length."""
+"""Chapter 16: tiled attention (the online softmax) equals chapter 2's attention, and its
+memory does not grow with the square of the length."""
 import math
 
 import pytest
@@ -9,8 +9,8 @@ import torch.nn.functional as F
 from transformer.attention import attention
 from transformer.flash import peak_tensor_bytes, tiled_attention
 
-# (B, h, T_q, T_k, d_k, d_v, block_q, block_k): tiles that divide the lengths, tiles that don't,
-# tiles larger than the input, single-row tiles, T_q != T_k both ways
+# (B, h, T_q, T_k, d_k, d_v, block_q, block_k): tiles that divide the lengths, tiles that
+# don't, tiles larger than the input, single-row tiles, T_q != T_k both ways
 SHAPES = [
     (1, 1, 1, 1, 4, 4, 128, 128),
     (2, 3, 17, 23, 8, 5, 4, 7),
@@ -143,7 +143,8 @@ def test_low_precision_is_accumulated_in_float32():
         ref = attention(ql.float(), kl.float(), vl.float())[0]
         assert out.dtype == low
         # one rounding of the output to the low precision, no more
-        assert (out.float() - ref).abs().max() <= 2 * (ref.abs().max() * torch.finfo(low).eps)
+        eps = torch.finfo(low).eps
+        assert (out.float() - ref).abs().max() <= 2 * ref.abs().max() * eps
 
 
 def test_autograd_gives_chapter_2s_gradients():
@@ -182,7 +183,7 @@ def test_plain_peak_is_two_score_matrices_and_tiled_peak_does_not_grow():
 def test_peak_tensor_bytes_counts_what_is_alive_at_once():
     x = torch.randn(100)
     assert peak_tensor_bytes(lambda: torch.empty(1000)) == 4000
-    assert peak_tensor_bytes(lambda: x[10:20].view(2, 5)) == 0          # views of an input: free
+    assert peak_tensor_bytes(lambda: x[10:20].view(2, 5)) == 0     # views of an input: free
 
     def one_after_the_other():
         a = torch.zeros(1000)

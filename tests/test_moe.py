@@ -1,4 +1,5 @@
-"""Chapter 18: the mixture-of-experts feed-forward layer and the Switch load-balancing loss."""
+"""Chapter 18: the mixture-of-experts feed-forward layer and the Switch load-balancing
+loss."""
 import warnings
 
 import pytest
@@ -23,7 +24,8 @@ def per_token(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         p = moe.router(token).softmax(dim=-1)
         top = p.topk(moe.k)
         g = top.values / top.values.sum() if moe.renormalize else top.values
-        rows.append(sum(g_i * moe.experts[i](token) for g_i, i in zip(g, top.indices.tolist())))
+        rows.append(sum(g_i * moe.experts[i](token)
+                        for g_i, i in zip(g, top.indices.tolist())))
     return torch.stack(rows).reshape(x.shape)
 
 
@@ -36,7 +38,8 @@ def test_one_expert_is_exactly_the_dense_feed_forward(dtype, renormalize):
     moe.experts[0].load_state_dict(dense.state_dict())
     x = torch.randn(3, 11, 24, dtype=dtype)
     assert torch.equal(moe(x), dense(x))
-    assert moe.aux_loss.item() == pytest.approx(1.0) and moe.tokens_per_expert.tolist() == [33]
+    assert moe.aux_loss.item() == pytest.approx(1.0)
+    assert moe.tokens_per_expert.tolist() == [33]
 
 
 @pytest.mark.parametrize("n_experts,k,renormalize", [
@@ -66,11 +69,12 @@ def test_gradients_equal_the_per_token_loop():
         grads.append([p.grad.clone() for p in moe.parameters()])
     for ours, ref in zip(*grads):
         assert (ours - ref).abs().max() < 1e-12
-    assert grads[0][0].abs().sum() > 0                       # the router learns from the task
+    assert grads[0][0].abs().sum() > 0               # the router learns from the task
 
 
 def test_top1_renormalized_gate_gives_the_router_no_task_gradient():
-    "With k = 1 the renormalized gate is always 1: Switch's g = p is needed to train the router."
+    """With k = 1 the renormalized gate is always 1: Switch's g = p is needed to train the
+    router."""
     torch.manual_seed(4)
     x = torch.randn(20, 8)
     size = {}
