@@ -38,11 +38,7 @@ def assert_one_line_error(code, out, err, expected_code, match):
     assert "Traceback" not in err and match in err, err
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("keep_threads")
 
 
 @pytest.fixture(scope="module")

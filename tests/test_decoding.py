@@ -12,12 +12,7 @@ from transformer.loop import train
 from transformer.checkpoints import model_from_checkpoint
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def copy_examples(n, seed, vocab=16, lo=3, hi=6):

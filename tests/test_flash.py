@@ -23,13 +23,7 @@ SHAPES = [
 MASKS = ["none", "random", "padding", "rows_blind"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    "Tiles are many small ops: one thread is faster, and undisturbed by other work."
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(shape, dtype, seed=0):

@@ -8,13 +8,7 @@ from transformer.heads import MultiHeadAttention
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    "One thread: tiny matrices gain nothing from more, and the test machine is busy."
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def pair(d_model=16, h=4, bias=True, seed=0):

@@ -11,13 +11,7 @@ from transformer.tokens import BOS, PAD
 V = 50
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    "One thread: tiny matrices gain nothing from more, and the test machine is busy."
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny(**kw) -> Transformer:

@@ -9,12 +9,7 @@ from transformer.blocks import FeedForward
 from transformer.moe import MoEFeedForward, load_balancing_loss
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def per_token(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:

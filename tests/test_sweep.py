@@ -26,11 +26,7 @@ BASE = ["--preset", "tiny", "--max-steps", "6", "--eval-every", "3", "--eval-sen
 BAD_SHAPE = ["--d-model", "100", "--heads", "3"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("keep_threads")
 
 
 @pytest.fixture(scope="module")

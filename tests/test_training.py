@@ -22,13 +22,7 @@ from transformer.checkpoints import (atomic_write, CHECKPOINT_FORMAT, Checkpoint
                                      SaveError, strip_prefixes, TrainingError)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    "Tiny tensors: one thread is faster on a busy 2-core machine, and results do not depend on core count."
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def copy_examples(n, vocab=16, lo=3, hi=8, seed=0, reverse=False):
