@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 
 from transformer.checkpoints import load_checkpoint
 from transformer.data import DataError, load_multi30k
