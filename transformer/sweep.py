@@ -192,8 +192,12 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
                 ok = job.finish()
                 status[job.variant.name] = "done" if ok else "failed"
                 minutes = (time.monotonic() - job.started) / 60
+                why = ("" if ok else f"; see {job.dir / 'log.txt'}"
+                       if job.proc.returncode != -signal.SIGKILL else
+                       " (killed by SIGKILL, e.g. out of memory: the next call resumes "
+                       "it from its last.pt)")
                 say(f"{'done  ' if ok else 'FAILED'} {job.variant.name} after "
-                    f"{minutes:.1f} min" + ("" if ok else f"; see {job.dir / 'log.txt'}"))
+                    f"{minutes:.1f} min{why}")
     except KeyboardInterrupt:
         for job in running:  # each child saves last.pt on SIGTERM and exits
             if job.proc.poll() is None:
@@ -274,7 +278,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "checkpoints are large)")
     p.add_argument("--jobs", type=int, default=1, metavar="N",
                    help="variants at once (default: 1; on a CPU, jobs x threads <= "
-                        "cores)")
+                        "cores, and mind the memory: a small-preset run on the CPU "
+                        "grew to about 7 GB resident here)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads of each variant (default: torch's)")
     p.add_argument("--only", nargs="+", metavar="NAME",
