@@ -556,6 +556,25 @@ def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
     assert all(torch.equal(one["model"][k], states[-1][k]) for k in states[-1])
 
 
+def test_average_checkpoints_accepts_snapshots_from_before_a_new_config_field(tmp_path):
+    "A run resumed under a newer package averages its older snapshots too (fields get defaults)."
+    from transformer.loop import average_checkpoints
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    save_checkpoint(tmp_path / "a.pt", model)
+    old = torch.load(tmp_path / "a.pt", weights_only=True)
+    for field in ("positions", "d_k", "arch"):              # as an older version wrote it
+        old["model_config"].pop(field)
+    torch.save(old, tmp_path / "old.pt")
+    avg = average_checkpoints([tmp_path / "old.pt", tmp_path / "a.pt"])
+    assert avg["model_config"] == model.config.to_dict()
+    assert all(torch.equal(avg["model"][k], v) for k, v in model.state_dict().items())
+    other = Transformer(tiny_config(vocab=20))
+    save_checkpoint(tmp_path / "b.pt", other)
+    with pytest.raises(CheckpointError, match="different model"):
+        average_checkpoints([tmp_path / "old.pt", tmp_path / "b.pt"])
+
+
 def test_average_checkpoints_refuses_mixed_models(tmp_path):
     from transformer.loop import average_checkpoints
     save_checkpoint(tmp_path / "a.pt", Transformer(tiny_config()))

@@ -400,11 +400,14 @@ def average_checkpoints(paths) -> dict:
     if not paths:
         raise ValueError("average_checkpoints needs at least one checkpoint path")
     first = load_checkpoint(paths[0])
-    config, weights = first["model_config"], strip_prefixes(first["model"])
+    # with the defaults of fields newer than a snapshot: a run resumed under a later
+    # version of the package averages snapshots from both
+    config = TransformerConfig.from_dict(first["model_config"]).to_dict()
+    weights = strip_prefixes(first["model"])
     total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
     for path in paths[1:]:
         state = load_checkpoint(path)
-        if state["model_config"] != config:
+        if TransformerConfig.from_dict(state["model_config"]).to_dict() != config:
             raise CheckpointError(f"{path} holds a different model than {paths[0]}; "
                                   "average checkpoints of one run")
         other = strip_prefixes(state["model"])
