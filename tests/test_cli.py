@@ -204,6 +204,9 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("dropout out of range", ["train", "--dropout", "1.5"], 2, "argument --dropout: 1.5 must be in [0, 1)"),
     ("dropout not a number", ["train", "--dropout", "nan"], 2, "argument --dropout: nan must be in [0, 1)"),
     ("label smoothing out of range", ["train", "--label-smoothing", "-0.1"], 2, "-0.1 must be in [0, 1)"),
+    ("attention dropout out of range", ["train", "--attention-dropout", "1"], 2,
+     "argument --attention-dropout: 1 must be in [0, 1)"),
+    ("ffn dropout out of range", ["train", "--ffn-dropout", "-0.2"], 2, "argument --ffn-dropout: -0.2 must be in [0, 1)"),
     ("negative clip norm", ["train", "--clip-norm", "-1"], 2, "argument --clip-norm: -1 must be >= 0"),
     ("negative length penalty", ["translate", "--model", "TMP/empty", "--alpha", "-1", "x"], 2, "-1 must be >= 0"),
     ("negative average", ["train", "--average", "-2"], 2, "argument --average: -2 must be >= 0"),
@@ -548,6 +551,7 @@ SHAPE = ["--d-model", 32, "--d-ff", 48, "--heads", 2, "--d-k", 8, "--layers", 1,
     (["--positions", "learned", "--norm", "pre"], dict(positions="learned", norm_first=True)),
     (["--preset", "small", "--norm", "post"], dict(norm_first=False, d_model=256)),
     (["--preset", "small"], dict(norm_first=True)),                   # the small preset is pre-LN
+    (["--attention-dropout", "0.1", "--ffn-dropout", "0.2"], dict(attention_dropout=0.1, ffn_dropout=0.2, dropout=0.1)),
 ])
 def test_shape_flags_set_the_model_config(flags, want):
     from transformer.cli import build_parser

@@ -164,7 +164,11 @@ def _hyperparameters(t) -> None:
     g.add_argument("--clip-norm", type=_number(float, low_ok=True), metavar="X",
                    help="gradient-norm clipping (0: off)")
     g.add_argument("--dropout", type=_number(float, 0, 1, low_ok=True), metavar="P",
-                   help="in [0, 1)")
+                   help="P_drop of sub-layer outputs and embedding sums, in [0, 1)")
+    g.add_argument("--attention-dropout", type=_number(float, 0, 1, low_ok=True),
+                   metavar="P", help="dropout of the attention weights, in [0, 1)")
+    g.add_argument("--ffn-dropout", type=_number(float, 0, 1, low_ok=True), metavar="P",
+                   help="dropout of the feed-forward hidden units, in [0, 1)")
     g.add_argument("--vocab-size", type=_positive(int), metavar="N",
                    help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
     g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,

@@ -157,8 +157,9 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
 
 
 # model fields whose flag has another name than the field
-_MODEL_FLAGS = {"dropout": "dropout", "d_model": "d_model", "d_ff": "d_ff", "h": "heads",
-                "d_k": "d_k", "n_layers": "layers", "positions": "positions",
+_MODEL_FLAGS = {"dropout": "dropout", "attention_dropout": "attention_dropout",
+                "ffn_dropout": "ffn_dropout", "d_model": "d_model", "d_ff": "d_ff",
+                "h": "heads", "d_k": "d_k", "n_layers": "layers", "positions": "positions",
                 "arch": "arch"}
 
 
