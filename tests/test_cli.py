@@ -284,6 +284,41 @@ def test_keep_freed_memory_applies_on_glibc():
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 
+# what `train` runs in a fresh process: import the whole command line, cap the oneDNN kernel cache, then multiply
+# three matrices of shapes A, B, A; oneDNN's verbose mode says whether the third found its kernel in the cache
+_CACHE_PROBE = """
+import os, sys, torch
+import transformer.__main__, transformer.cli, transformer.cli_train, transformer.sweep  # noqa: F401
+from transformer.cli_train import cap_kernel_cache
+print("set" if cap_kernel_cache(int(sys.argv[1])) else "kept", flush=True)
+for n in (8, 16, 8):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.nn.functional.linear(torch.randn(n, 64), torch.randn(32, 64))
+"""
+
+
+def _kernel_cache(capacity: int, **env) -> tuple[str, list[str]]:
+    env = {k: v for k, v in os.environ.items() if "PRIMITIVE_CACHE_CAPACITY" not in k} | env
+    done = subprocess.run([sys.executable, "-c", _CACHE_PROBE, str(capacity)], capture_output=True, text=True,
+                          env={**env, "PYTHONPATH": str(ROOT), "ONEDNN_VERBOSE": "profile_create"}, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    return lines[0], [m for line in lines for m in ("cache_hit", "cache_miss") if f"create:{m}" in line]
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build of torch")
+def test_cap_kernel_cache_takes_effect_after_importing_the_package_and_yields_to_the_user():
+    # oneDNN's default (1024), set by the user: the third multiplication reuses the first one's kernel
+    said, events = _kernel_cache(1, ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    if not events:
+        pytest.skip("bf16 matmuls on this CPU do not go through oneDNN")
+    assert said == "kept" and events == ["cache_miss", "cache_miss", "cache_hit"]
+    # capacity 1, set by cap_kernel_cache: the kernel of shape A is evicted by B's and compiled again
+    assert _kernel_cache(1) == ("set", ["cache_miss"] * 3)
+    # the older name of the variable counts as the user's choice too
+    assert _kernel_cache(1, DNNL_PRIMITIVE_CACHE_CAPACITY="1024")[0] == "kept"
+
+
 # --- issue 18: careless and hostile use of a real run directory --------------------------------------------------
 
 def _copy(trained, tmp_path, name="copy"):

@@ -20,7 +20,7 @@ from .model import PRESETS, Transformer, TransformerConfig
 from .training import Seq2SeqLoss
 from .checkpoints import atomic_write
 from .devices import cpu_has_bf16_units, fast_matmul
-from .cli_train import keep_freed_memory
+from .cli_train import cap_kernel_cache, keep_freed_memory
 from .measure import (DEFAULT_MAX_TOKENS, TorchTransformer, assumed_peak_tflops,
                                  bench_data, copy_weights, environment, peak_memory,
                                  resolve_device, train_flops, train_step)
@@ -183,7 +183,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
     `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
     batches per model come first, untimed, so that both are measured in their steady
     state. `keep_memory`: on CPU, call appendix C's `keep_freed_memory` as `train` does
-    (process-wide: it stays on after the call). Returns a JSON-ready dict;
+    (process-wide: it stays on after the call); the oneDNN kernel cache is capped as in
+    `train` too (`cap_kernel_cache`). Returns a JSON-ready dict;
     `speedup_vs_nn` is the median training ratio."""
     _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -202,6 +203,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
         env = environment(dev)
         # as `train` does on CPU
         env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()
+        if not cuda:
+            cap_kernel_cache()      # effective if nothing ran a oneDNN kernel before
         log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} "
             "slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)

@@ -35,7 +35,8 @@ from .cli import (VOCAB_SIZE, CLIError, Terminated, _check_tokenizer,
                              _device, _device_name, _write_json)
 
 # %% auto #0
-__all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'RUN_FILES', 'keep_freed_memory', 'provenance', 'cmd_train']
+__all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
+           'cmd_train']
 
 # %% ../book/c_1_train.ipynb #c009
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
@@ -52,6 +53,22 @@ def keep_freed_memory() -> bool:
                 and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
     except (OSError, AttributeError):
         return False
+
+
+ONEDNN_CACHE = 256  # compiled oneDNN kernels a CPU training keeps (oneDNN's default: 1024)
+_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+def cap_kernel_cache(capacity: int = ONEDNN_CACHE) -> bool:
+    """Let oneDNN (PyTorch's CPU matmul library) keep at most `capacity` compiled kernels,
+    one per matmul shape, instead of 1,024: batches of new shapes otherwise fill the cache
+    with kernels that are never used again, gigabytes of them. Works through the
+    environment variable oneDNN reads once, at its first kernel, so call it before the
+    process multiplies anything; a value the user set wins. Returns whether it set one."""
+    if any(name in os.environ for name in _CACHE_VARS):
+        return False
+    os.environ[_CACHE_VARS[0]] = str(capacity)
+    return True
 
 
 def provenance() -> dict:
@@ -227,6 +244,7 @@ def cmd_train(args) -> int:
     if device.type == "cpu":
         # see "Shared helpers": the next step reuses this step's pages
         keep_freed_memory()
+        cap_kernel_cache()
     rank, world_size, local_rank = init_distributed(device.type)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
