@@ -155,3 +155,37 @@ def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
     assert final["greedy"]["bleu"] == pytest.approx(evaluate(final["model"], tokenizer, pairs[3:])["bleu"])
     with pytest.raises(ValueError, match="holds no best.pt and no model was given"):
         final_evaluation(tmp_path / "empty", tokenizer, pairs)
+
+
+def test_final_evaluation_tries_windows_and_alphas_on_val(tmp_path):
+    from transformer.evaluation import averaging_windows, final_evaluation
+    from transformer.checkpoints import load_checkpoint, save_checkpoint
+    assert averaging_windows(20) == [20, 10, 5] and averaging_windows(5) == [5]
+    assert averaging_windows(8) == [8] and averaging_windows(1) == []
+    tokenizer, model, pairs = _tiny_translation_setup()
+    save_checkpoint(tmp_path / "best.pt", model)
+    for step in range(1, 11):
+        torch.manual_seed(step)
+        save_checkpoint(tmp_path / f"step-{step:07d}.pt", Transformer(model.config),
+                        progress={"step": step})
+    final = final_evaluation(tmp_path, tokenizer, pairs[:3], pairs[3:], beam_size=2,
+                             alpha=(0.6, 1.0), average=10)
+    # best.pt, the mean of 10 and the mean of 5, each with both penalties
+    assert [(r["snapshots"], r["alpha"]) for r in final["val_grid"]] == [
+        (0, 0.6), (0, 1.0), (10, 0.6), (10, 1.0), (5, 0.6), (5, 1.0)]
+    top = max(r["bleu"] for r in final["val_grid"])
+    assert final["val"]["bleu"] == top and final["alpha"] in (0.6, 1.0)
+    winner = next(r for r in final["val_grid"] if r["bleu"] == top)    # the first wins a tie
+    assert final["alpha"] == winner["alpha"]
+    assert final["checkpoint"] == ("best" if winner["snapshots"] == 0 else "averaged")
+    # averaged.pt is the window that did best on val
+    best_window = max((10, 5), key=lambda n: max(r["bleu"] for r in final["val_grid"]
+                                                 if r["snapshots"] == n))
+    assert len(final["averaged"]) == best_window
+    assert load_checkpoint(tmp_path / "averaged.pt")["progress"]["averaged"] == final["averaged"]
+    expected = evaluate(final["model"], tokenizer, pairs[3:], beam_size=2, alpha=final["alpha"])
+    assert final["test"]["bleu"] == pytest.approx(expected["bleu"])
+    # greedy search has no length penalty: one alpha only
+    greedy = final_evaluation(tmp_path, tokenizer, pairs[:3], beam_size=1, alpha=(0.6, 1.0),
+                              average=10)
+    assert {r["alpha"] for r in greedy["val_grid"]} == {0.6}

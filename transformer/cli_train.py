@@ -31,7 +31,7 @@ from .loop import train
 from .checkpoints import load_checkpoint, read_metrics, run_lock
 from .devices import init_distributed
 from .evaluation import bleu_callback, final_evaluation
-from .cli import (VOCAB_SIZE, CLIError, Terminated, _check_tokenizer,
+from .cli import (TRAIN_ALPHAS, VOCAB_SIZE, CLIError, Terminated, _check_tokenizer,
                              _device, _device_name, _write_json)
 
 # %% auto #0
@@ -337,7 +337,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
         out, tokenizer, val_pairs,
         None if args.eval_split == "val" else _pairs(args, args.eval_split, args.src,
                                                      args.tgt),
-        beam_size=args.beam, alpha=args.alpha, average=train_config.keep_checkpoints,
+        beam_size=args.beam, average=train_config.keep_checkpoints,
+        alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha,
         model=model, device=device, run=run)
     results = _results(args, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
@@ -395,12 +396,14 @@ def _results(args, final: dict, result, train_config: TrainConfig, device,
     test = final["test"]
     return {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
             "chrf": test["chrf"],
-            "split": args.eval_split, "beam": args.beam, "alpha": args.alpha,
+            "split": args.eval_split, "beam": args.beam, "alpha": final["alpha"],
             "checkpoint": final["checkpoint"], "averaged": final["averaged"],
             "greedy": {k: final["greedy"][k] for k in _SCORES},
             "val": {k: final["val"][k] for k in _SCORES},
             "val_by_checkpoint": {name: {k: s[k] for k in _SCORES}
                                   for name, s in final["val_by_checkpoint"].items()},
+            "val_grid": [{"snapshots": row["snapshots"], "alpha": row["alpha"],
+                          **{k: row[k] for k in _SCORES}} for row in final["val_grid"]],
             "final_eval_seconds": final_seconds,
             "train_seconds": result.train_seconds,
             "eval_seconds": result.eval_seconds,
@@ -424,13 +427,17 @@ def _report(say, args, final: dict, result, results: dict) -> None:
         f"({result.eval_seconds / 60:.1f} of them validating), "
         f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
         f"from step {results['best_step']}")
-    on_val = final["val_by_checkpoint"]
-    if len(on_val) > 1:
-        say("val BLEU by checkpoint: "
-            + ", ".join(f"{n}.pt {s['bleu']:.2f}" for n, s in on_val.items()) +
-            f"; using {final['checkpoint']}.pt")
+    if len(final["val_grid"]) > 1:
+        say("val BLEU: " + ", ".join(
+            f"{'best.pt' if r['snapshots'] == 0 else 'mean of %d' % r['snapshots']} "
+            f"alpha {r['alpha']:g} {r['bleu']:.2f}" for r in final["val_grid"]) +
+            f"; using {final['checkpoint']}.pt"
+            + (f" ({len(final['averaged'])} snapshots)"
+               if final["checkpoint"] == "averaged" else "")
+            + f", alpha {final['alpha']:g}")
     for name, s in (("val", final["val"]),
                     (args.eval_split, final["test"]))[
                         : 1 if args.eval_split == "val" else 2]:
         say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam})")
+            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam}, "
+            f"alpha {final['alpha']:g})")

@@ -17,7 +17,7 @@ from .checkpoints import CHECKPOINT_FORMAT, atomic_write
 from .devices import fast_matmul
 from .evaluation import evaluate, score
 from .decoding import translate
-from .cli import CLIError, _chosen, _device, _write_json, load_run
+from .cli import CLIError, _chosen, _device, _run_alpha, _write_json, load_run
 from .cli_train import _pairs
 
 # %% auto #0
@@ -29,6 +29,8 @@ def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
     fast_matmul(device)                      # TF32 on a GPU, for inference as for training
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.alpha is None:                   # the run's own, chosen on val
+        args.alpha = _run_alpha(args.model)
     return load_run(args.model, args.checkpoint, device)
 
 

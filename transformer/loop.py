@@ -161,6 +161,7 @@ class _Loop:
         self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
                    "eval_seconds": 0.0, "tokens": 0}
         self.best, self.saved_step, self.history = None, None, []
+        self.last_eval_seconds = 0.0                 # the latest evaluation's time
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
         # went non-finite, and the first of them (step, loss sum, gradient norm)
@@ -207,6 +208,7 @@ class _Loop:
             truncate_metrics(self.out / "metrics.jsonl", self.at["step"])
         start, before = time.perf_counter(), self.at["seconds"]
         self.clock = lambda: before + time.perf_counter() - start
+        self.tick = (self.clock(), self.at["eval_seconds"])   # for the next step's time
         self.window_start = (self.at["tokens"], time.perf_counter())
         bar = tqdm(total=c.max_steps, initial=self.at["step"], unit="step",
                    dynamic_ncols=True, disable=not self.progress, file=sys.stderr)
@@ -297,7 +299,14 @@ class _Loop:
         every `log_every` steps only, all together (one small all-reduce)."""
         c = self.config
         interrupted = self.stop.requested
-        late = c.max_minutes is not None and self.clock() >= 60 * c.max_minutes
+        now, (then, evals) = self.clock(), self.tick
+        # what one more step (log_every of them between agreements with several
+        # processes) and the final evaluation would take, timed as the last ones took
+        step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
+        self.tick = (now, self.at["eval_seconds"])
+        reserve = step_seconds * (c.log_every if self.world_size > 1 else 1)
+        late = (c.max_minutes is not None
+                and now + reserve + self.last_eval_seconds >= 60 * c.max_minutes)
         if self.world_size > 1:
             if self.at["step"] % c.log_every:
                 return None
@@ -364,6 +373,7 @@ class _Loop:
         self.at["seconds"] = self.clock()
         spent = time.perf_counter() - start
         self.at["eval_seconds"] += spent
+        self.last_eval_seconds = spent
         self.window_start = (self.window_start[0], self.window_start[1] + spent)
 
     def save(self, name: str) -> None:
