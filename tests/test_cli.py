@@ -82,6 +82,11 @@ def test_train_writes_the_run_directory(trained):
     assert set(by) == {"best", "averaged"} and results["checkpoint"] in by
     assert by[results["checkpoint"]]["bleu"] == max(v["bleu"] for v in by.values()) == results["val"]["bleu"]
     assert set(results["greedy"]) == {"bleu", "bleu_lc_tok", "chrf"}
+    # no --alpha: the final evaluation tries 0.6 and 1.0 with each candidate, on val
+    grid = results["val_grid"]
+    assert [(r["snapshots"], r["alpha"]) for r in grid] == [(0, 0.6), (0, 1.0), (3, 0.6), (3, 1.0)]
+    winner = max(grid, key=lambda r: r["bleu"])
+    assert results["alpha"] == winner["alpha"] and results["val"]["bleu"] == winner["bleu"]
     # provenance: the code, the machine, the software
     assert results["python"] and results["cpu"] and results["cpu_count"] == os.cpu_count()
     assert results["threads"] == 1 and results["train_config"]["keep_checkpoints"] == 3
@@ -114,6 +119,11 @@ def test_evaluate_split_json_and_files(trained, tmp_path):
     assert code == 0, err
     s = json.loads(stdout)
     assert s["sentences"] == 8 and 0 <= s["bleu"] <= 100 and "case:lc" in s["signatures"]["bleu_lc_tok"]
+    # without --alpha, the length penalty the run chose on val; with it, the one given
+    assert s["alpha"] == json.loads((out / "results.json").read_text())["alpha"]
+    code, given, err = run("evaluate", "--model", out, "--split", "val", "--limit", 2, "--beam", 1,
+                           "--json", "--alpha", 0.3)
+    assert code == 0 and json.loads(given)["alpha"] == 0.3, err
     pairs = load_multi30k("de", "en", "val", download=False)[:8]
     (tmp_path / "src.de").write_text("".join(p[0] + "\n" for p in pairs))
     (tmp_path / "ref.en").write_text("".join(p[1] + "\n" for p in pairs))

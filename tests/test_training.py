@@ -473,6 +473,35 @@ def test_max_minutes_stops_and_evaluates(tmp_path):
     assert result.history[-1]["kind"] == "eval" and (tmp_path / "best.pt").exists()
 
 
+def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monkeypatch):
+    """On a fake clock where a step takes 1 s and an evaluation 5 s, a 30 s budget stops while
+    one more step and the final evaluation still fit: the run reports at most 30 s. (Stopping
+    only once the clock passed 30 s would end at 36 s.)"""
+    import types
+    import transformer.loop as loop
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    step = loop._Loop.step
+
+    def timed_step(self, *args):
+        now[0] += 1.0
+        return step(self, *args)
+
+    def timed_eval(model, at):
+        now[0] += 5.0
+        return {}
+
+    monkeypatch.setattr(loop._Loop, "step", timed_step)
+    result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),
+                   quick(max_steps=1000, max_minutes=0.5, eval_every=10), out_dir=tmp_path,
+                   progress=False, on_eval=timed_eval)
+    assert result.stopped == "max_minutes" and result.train_seconds <= 30.0
+    # steps 1-10 (10 s), the evaluation at 10 (5 s), steps 11-19 (9 s): at 24 s one more step
+    # and an evaluation would reach 30, so it stops at 19 and evaluates (29 s)
+    assert result.step == 19 and result.train_seconds == 29.0
+    assert [r["step"] for r in result.history if r["kind"] == "eval"] == [10, 19]
+
+
 def test_on_eval_bleu_picks_best(tmp_path):
     scores = iter([10.0, 30.0, 20.0])
     result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),

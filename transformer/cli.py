@@ -127,7 +127,9 @@ def _train_parser(sub) -> None:
     t.add_argument("--max-steps", type=_positive(int), metavar="N",
                    help="optimizer steps (default: the preset's)")
     t.add_argument("--max-minutes", type=_positive(float), metavar="M",
-                   help="stop after M minutes of training")
+                   help="stop within M minutes of training, the validations "
+                        "during training included (the final scoring with beam "
+                        "search comes after)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from last.pt")
     t.add_argument("--compile", action="store_true", help="torch.compile the model")
