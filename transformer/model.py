@@ -20,8 +20,8 @@ __all__ = ['PRESETS', 'ARCHS', 'POSITIONS', 'TransformerConfig', 'config_from_di
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {
     "tiny":  dict(d_model=64,   d_ff=256,  h=4,  n_layers=2, dropout=0.1),
-    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.4,
-                  norm_first=True),  # pre-LN, 0.4: see below
+    "small": dict(d_model=256,  d_ff=1024, h=4,  n_layers=3, dropout=0.3,
+                  norm_first=True),  # pre-LN, 0.3: see below
     # Table 3, row "base"
     "base":  dict(d_model=512,  d_ff=2048, h=8,  n_layers=6, dropout=0.1),
     # Table 3, row "big"
