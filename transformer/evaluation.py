@@ -159,7 +159,6 @@ def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
         n = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w))
         save_checkpoint(out / "averaged.pt", candidates[n],
                         progress=windows[n]["progress"], run=run)
-        candidates["averaged"] = candidates[n]
     best = candidates[name]
     on_val = {("best" if c == "best" else "averaged"): s for c, a, s in grid
               if a == chosen_alpha and (c == "best" or c == n)}
