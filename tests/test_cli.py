@@ -217,6 +217,8 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("attention dropout out of range", ["train", "--attention-dropout", "1"], 2,
      "argument --attention-dropout: 1 must be in [0, 1)"),
     ("ffn dropout out of range", ["train", "--ffn-dropout", "-0.2"], 2, "argument --ffn-dropout: -0.2 must be in [0, 1)"),
+    ("subword dropout out of range", ["train", "--subword-dropout", "1"], 2,
+     "argument --subword-dropout: 1 must be in [0, 1)"),
     ("negative clip norm", ["train", "--clip-norm", "-1"], 2, "argument --clip-norm: -1 must be >= 0"),
     ("negative length penalty", ["translate", "--model", "TMP/empty", "--alpha", "-1", "x"], 2, "-1 must be >= 0"),
     ("negative average", ["train", "--average", "-2"], 2, "argument --average: -2 must be >= 0"),
@@ -630,6 +632,35 @@ def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
     assert model.encoder.layers[0].self_attn.w_q.weight.shape == (2 * 8, 32) and len(model.encoder.layers) == 1
     code, stdout, err = run("translate", "--model", shaped, "--beam", 2, "Ein Hund läuft.")
     assert code == 0 and len(stdout.splitlines()) == 1, err
+
+
+def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_path):
+    out = tmp_path / "run"
+    code, _, err = run(*SHORT, "--subword-dropout", 0.1, "--out", out)
+    assert code == 0, err
+    assert json.loads((out / "config.json").read_text())["train"]["subword_dropout"] == 0.1
+    more = [a if a != 3 else 5 for a in SHORT]                          # --max-steps 5
+    code, out_, err = run(*more, "--out", out, "--resume")
+    assert_one_line_error(code, out_, err, 1, "subword_dropout=0.0 (the run has 0.1)")
+    code, _, err = run(*more, "--subword-dropout", 0.1, "--out", out, "--resume")
+    assert code == 0, err
+    assert json.loads((out / "results.json").read_text())["steps"] == 5
+
+
+def test_a_run_from_before_subword_dropout_resumes(multi30k, tmp_path):
+    "config.json and last.pt without the field: the run trained with its default, 0."
+    from transformer.checkpoints import load_checkpoint
+    out = tmp_path / "run"
+    code, _, err = run(*SHORT, "--out", out)
+    assert code == 0, err
+    config = json.loads((out / "config.json").read_text())
+    del config["train"]["subword_dropout"]
+    (out / "config.json").write_text(json.dumps(config))
+    state = load_checkpoint(out / "last.pt")
+    del state["train_config"]["subword_dropout"]
+    torch.save(state, out / "last.pt")
+    code, _, err = run(*[a if a != 3 else 5 for a in SHORT], "--out", out, "--resume")
+    assert code == 0, err
 
 
 def _strip_new_fields(run_dir, checkpoints=()):

@@ -344,13 +344,13 @@ def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None
         raise ValueError(f"cannot resume from {path}: the model differs " +
                          ", ".join(f"{k}={new!r} (saved {old!r})"
                                    for k, (new, old) in diff.items()))
-    now = asdict(config)
-    diff = [k for k in now if k not in type(config).RESUMABLE
-            and saved.get("train_config", {}).get(k) != now[k]]
+    now, default = asdict(config), asdict(type(config)())
+    # a checkpoint from before a field existed trained with its default
+    was = {**default, **saved["train_config"]} if "train_config" in saved else {}
+    diff = [k for k in now if k not in type(config).RESUMABLE and was.get(k) != now[k]]
     if diff:
         raise ValueError(f"cannot resume from {path}: the training config differs " +
-                         ", ".join(f"{k}={now[k]!r} "
-                                   f"(saved {saved['train_config'].get(k)!r})"
+                         ", ".join(f"{k}={now[k]!r} (saved {was.get(k)!r})"
                                    for k in diff))
 
 

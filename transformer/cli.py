@@ -179,6 +179,10 @@ def _hyperparameters(t) -> None:
                    help="dropout of the feed-forward hidden units, in [0, 1)")
     g.add_argument("--vocab-size", type=_positive(int), metavar="N",
                    help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
+    g.add_argument("--subword-dropout", type=_number(float, 0, 1, low_ok=True),
+                   metavar="P", help="BPE-dropout: segment the training pairs anew "
+                   "each epoch, skipping each merge with probability P (Provilkov et al., "
+                   "2020); 0: one fixed segmentation")
     g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; "
                         "default: the preset's)")

@@ -26,7 +26,7 @@ from .data import DataError, load_multi30k, sha256_file
 from .tokens import Tokenizer
 from .model import TransformerConfig
 from .gpt import build_model
-from .training import TrainConfig, make_examples
+from .training import SubwordDropout, TrainConfig, make_examples
 from .loop import train
 from .checkpoints import load_checkpoint, read_metrics, run_lock
 from .devices import init_distributed
@@ -127,6 +127,8 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
     diffs = []
     if "model" in saved:  # a run from before a field existed has its default
         saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
+    if "train" in saved:
+        saved = {**saved, "train": {**asdict(TrainConfig()), **saved["train"]}}
     for part in ("model", "data", "train"):
         for key, value in now[part].items():
             if part == "train" and key in TrainConfig.RESUMABLE:
@@ -152,6 +154,7 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
     overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes",
                                                "batch_tokens", "accum_steps", "warmup",
                                                "lr_scale", "label_smoothing",
+                                               "subword_dropout",
                                                "eval_every", "log_every", "cpu_bf16",
                                                "snapshot_every")
                  if getattr(args, k) is not None}
@@ -374,9 +377,16 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
                        f"vocabulary is fixed by its {tok_path} ({V} pieces); drop "
                        "--vocab-size")
     model_config, train_config = _configs(args, V)
-    examples = make_examples(tokenizer, train_pairs, model_config.max_len)
+    if train_config.subword_dropout:
+        # a sampled pair longer than the model or a piece of a step keeps its fixed ids
+        examples = SubwordDropout(tokenizer, train_pairs, train_config.subword_dropout,
+                                  train_config.seed, model_config.max_len,
+                                  train_config.batch_tokens // pieces)
+        fixed = examples.fixed
+    else:
+        examples = fixed = make_examples(tokenizer, train_pairs, model_config.max_len)
     _check_batch_tokens(args, train_config,
-                        max(max(len(s), len(t)) for s, t in examples), pieces,
+                        max(max(len(s), len(t)) for s, t in fixed), pieces,
                         exact=True)
     run_config = _run_config(args, model_config, train_config)
     if args.resume:

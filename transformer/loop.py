@@ -96,12 +96,13 @@ def _round(record: dict) -> dict:
             for k, v in record.items()}
 
 # %% ../book/08_1_loop.ipynb #c031
-def train(model: Transformer, train_examples: list, val_examples: list | None = None,
+def train(model: Transformer, train_examples, val_examples: list | None = None,
           config: TrainConfig | None = None, *,
           out_dir: str | os.PathLike | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
           run: dict | None = None) -> TrainResult:
-    """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples.
+    """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a
+    list, or a function of the epoch that returns that epoch's list (`SubwordDropout`).
 
     Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the
     directory's `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`,
@@ -115,7 +116,16 @@ def train(model: Transformer, train_examples: list, val_examples: list | None = 
     if not train_examples:
         raise ValueError("train_examples is empty; "
                          "pass a list of (src_ids, tgt_ids) pairs")
-    check_examples(train_examples, model.config, "train_examples")
+    p = getattr(train_examples, "p", None) if callable(train_examples) else 0.0
+    if p is not None and p != config.subword_dropout:   # what the run records is true
+        raise ValueError(f"config.subword_dropout={config.subword_dropout} but the "
+                         f"training examples are segmented with p={p}; pass "
+                         f"SubwordDropout(tokenizer, pairs, {config.subword_dropout})"
+                         if config.subword_dropout else
+                         f"config.subword_dropout=0 but the training examples are "
+                         f"SubwordDropout(p={p}); set subword_dropout={p}")
+    check_examples(train_examples(0) if callable(train_examples) else train_examples,
+                   model.config, "train_examples")
     check_examples(val_examples or [], model.config, "val_examples")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
@@ -141,7 +151,9 @@ class _Loop:
 
     def __init__(self, model, examples, val_examples, config, out, on_eval, progress,
                  run):
-        self.model, self.examples, self.val_examples = model, examples, val_examples
+        # a list, or a function of the epoch (the pairs segmented anew, `SubwordDropout`)
+        self.examples_of = examples if callable(examples) else (lambda epoch: examples)
+        self.model, self.val_examples = model, val_examples
         self.config, self.out, self.on_eval, self.run_facts = config, out, on_eval, run
         self.device = next(model.parameters()).device
         self.rank, self.world_size = world()
@@ -178,25 +190,25 @@ class _Loop:
         self.best, self.saved_step = saved["progress"].get("best"), self.at["step"]
 
     def schedule(self):
-        """(epoch, index, steps in the epoch, pieces of the global batch) of every step
-        from where the loop stands, epoch after epoch."""
+        """(epoch, index, steps in the epoch, the epoch's examples, pieces of the global
+        batch) of every step from where the loop stands, epoch after epoch."""
         c, epoch, index = self.config, self.at["epoch"], self.at["batch"]
         while True:
-            steps = epoch_batches(self.examples, c.batch_tokens, c.seed, epoch,
-                                  self.pieces)
+            examples = self.examples_of(epoch)
+            steps = epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces)
             if not steps:
                 raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
-                                 f"from {len(self.examples)} examples in "
+                                 f"from {len(examples)} examples in "
                                  f"{self.pieces} pieces; "
                                  "lower accum_steps or use more data")
             for index in range(index, len(steps)):
-                yield epoch, index, len(steps), steps[index]
+                yield epoch, index, len(steps), examples, steps[index]
             epoch, index = epoch + 1, 0
 
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
-        mine = my_pieces(item[-1], self.rank, self.world_size)
-        return [t for piece in mine for t in collate(self.examples, piece)]
+        examples, mine = item[-2], my_pieces(item[-1], self.rank, self.world_size)
+        return [t for piece in mine for t in collate(examples, piece)]
 
     def run(self, resume: bool) -> TrainResult:
         "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
@@ -217,9 +229,9 @@ class _Loop:
         try:
             with StopRequest() as self.stop:
                 while self.at["step"] < c.max_steps:
-                    (epoch, index, count, step_pieces), tensors = next(batches)
+                    (epoch, index, count, *step), tensors = next(batches)
                     self.at.update(epoch=epoch, batch=index + 1)
-                    lr = self.step(tensors, step_pieces)
+                    lr = self.step(tensors, *step)
                     bar.update(1)
                     stopped = self.should_stop() or stopped
                     step, done = self.at["step"], (self.at["step"] >= c.max_steps
@@ -253,10 +265,12 @@ class _Loop:
                            tokens=at["tokens"], best=self.best, history=self.history,
                            signal=self.stop.signum)
 
-    def step(self, tensors: list[torch.Tensor], step_pieces: list[list[int]]) -> float:
-        """One optimizer step on this process's pieces of a global batch; returns the
-        learning rate. Nothing here waits for the device."""
-        c, n = self.config, sum(len(self.examples[i][1]) - 1
+    def step(self, tensors: list[torch.Tensor], examples: list,
+             step_pieces: list[list[int]]) -> float:
+        """One optimizer step on this process's pieces of a global batch (`step_pieces`,
+        index lists into `examples`); returns the learning rate. Nothing here waits for
+        the device."""
+        c, n = self.config, sum(len(examples[i][1]) - 1
                                 for piece in step_pieces for i in piece)
         # the dropout masks of this step depend on (seed, step, rank) alone
         torch.manual_seed(c.seed * 1_000_003 + self.at["step"] * 1_009 + self.rank)
