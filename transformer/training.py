@@ -234,7 +234,7 @@ TRAIN_PRESETS: dict[str, dict] = {
                   eval_every=250),
     "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000,
                   eval_every=200, cpu_bf16=True, keep_checkpoints=10,
-                  snapshot_every=100),
+                  snapshot_every=100, subword_dropout=0.2),
     "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000,
                   eval_every=2000),
     "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000,
