@@ -473,10 +473,18 @@ def test_max_minutes_stops_and_evaluates(tmp_path):
     assert result.history[-1]["kind"] == "eval" and (tmp_path / "best.pt").exists()
 
 
-def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monkeypatch):
-    """On a fake clock where a step takes 1 s and an evaluation 5 s, a 30 s budget stops while
-    one more step and the final evaluation still fit: the run reports at most 30 s. (Stopping
-    only once the clock passed 30 s would end at 36 s.)"""
+@pytest.mark.parametrize("budget, last, end", [
+    # steps 1-10 (10 s), the evaluation at 10 (5 s), steps 11-19 (9 s): at 24 s one more step
+    # and an evaluation would reach 30, so it stops at 19 and evaluates (29 s on the fake clock;
+    # stopping only once the clock passed 30 s would end at 36 s)
+    (30, 19, 29.0),
+    # at step 20 (25 s) going on costs the evaluation at 20, a step and the final evaluation
+    # (36 s): it stops at 20, whose evaluation is the final one (30 s). Counting one evaluation
+    # there would go on and end at 36 s
+    (33, 20, 30.0)])
+def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monkeypatch, budget, last, end):
+    """On a fake clock where a step takes 1 s and an evaluation 5 s, a run stops while one more
+    step and the final evaluation still fit: it reports at most its budget."""
     import types
     import transformer.loop as loop
     now = [0.0]
@@ -493,13 +501,11 @@ def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monk
 
     monkeypatch.setattr(loop._Loop, "step", timed_step)
     result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),
-                   quick(max_steps=1000, max_minutes=0.5, eval_every=10), out_dir=tmp_path,
+                   quick(max_steps=1000, max_minutes=budget / 60, eval_every=10), out_dir=tmp_path,
                    progress=False, on_eval=timed_eval)
-    # steps 1-10 (10 s), the evaluation at 10 (5 s), steps 11-19 (9 s): at 24 s one more step
-    # and an evaluation would reach 30, so it stops at 19 and evaluates (29 s on the fake clock)
-    assert result.stopped == "max_minutes" and result.step == 19
-    assert [r["step"] for r in result.history if r["kind"] == "eval"] == [10, 19]
-    assert result.history[-1]["kind"] == "eval" and result.history[-1]["seconds"] == 29.0
+    assert result.stopped == "max_minutes" and result.step == last
+    assert [r["step"] for r in result.history if r["kind"] == "eval"] == [10, last]
+    assert result.history[-1]["kind"] == "eval" and result.history[-1]["seconds"] == end <= budget
 
 
 def test_on_eval_bleu_picks_best(tmp_path):

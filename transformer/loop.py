@@ -319,8 +319,11 @@ class _Loop:
         step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
         self.tick = (now, self.at["eval_seconds"])
         reserve = step_seconds * (c.log_every if self.world_size > 1 else 1)
-        late = (c.max_minutes is not None
-                and now + reserve + self.last_eval_seconds >= 60 * c.max_minutes)
+        # going on past a step that evaluates anyway costs that evaluation and the final
+        # one; stopping there, only the one
+        evals = 2 if self.at["step"] % c.eval_every == 0 else 1
+        late = (c.max_minutes is not None and
+                now + reserve + evals * self.last_eval_seconds >= 60 * c.max_minutes)
         if self.world_size > 1:
             if self.at["step"] % c.log_every:
                 return None
