@@ -124,7 +124,9 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
                          if config.subword_dropout else
                          f"config.subword_dropout=0 but the training examples are "
                          f"SubwordDropout(p={p}); set subword_dropout={p}")
-    check_examples(train_examples(0) if callable(train_examples) else train_examples,
+    # a SubwordDropout's draws are pieces of its fixed ids: checking those is enough
+    check_examples(train_examples if not callable(train_examples)
+                   else getattr(train_examples, "fixed", None) or train_examples(0),
                    model.config, "train_examples")
     check_examples(val_examples or [], model.config, "val_examples")
     out = Path(out_dir) if out_dir is not None else None
