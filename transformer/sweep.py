@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    failed = [n for n, s in status.items() if s == "failed"]
+    failed = [v.name for v in variants if status[v.name] == "failed"]  # in file order
     if args.results:
         n = copy_results(out, Path(args.results), variants)
         print(f"copied the results of {n} finished variants to {args.results}")
