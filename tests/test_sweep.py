@@ -134,6 +134,33 @@ def test_the_committed_variant_file_is_valid():
             assert (ROOT / args.model / "best.pt").exists(), v.name
 
 
+@pytest.mark.parametrize("sweep_dir", ["claims", "tuning"])
+def test_the_committed_variant_files_still_ask_for_the_committed_runs(sweep_dir):
+    """Each committed run's config.json is what its variant asks for with today's presets: a preset
+    that changed since (dropout 0.3, subword dropout 0.2) must be pinned in the file's base, or
+    "one command reproduces them" would quietly train something else."""
+    from dataclasses import asdict, fields
+
+    from transformer.cli import build_parser
+    from transformer.cli_train import _configs
+    results = ROOT / "book" / "results" / sweep_dir
+    base, variants = read_variants(results / "variants.json")
+    checked = 0
+    for v in variants:
+        stored = results / v.name / "config.json"
+        if v.command != "train" or not stored.exists():
+            continue
+        config = json.loads(stored.read_text())
+        args = build_parser().parse_args(["train", *base, *v.args, "--out", "x"])
+        model, train = _configs(args, config["data"]["vocab_size"])
+        for asked, kept in ((model, config["model"]), (train, config["train"])):
+            # a field added after the run has its default, which the run trained with
+            added = {f.name: f.default for f in fields(asked) if f.name not in kept}
+            assert {**kept, **added} == asdict(asked), v.name
+        checked += 1
+    assert checked >= 2
+
+
 def test_sweep_option_errors(tmp_path):
     path = write_variants(tmp_path / "v.json", [entry()])
     for argv, match in ((["--only", "a", "zz", "yy"], f"error: --only: no variant named yy, zz in {path}"),
