@@ -270,3 +270,28 @@ def test_search_works_offline_in_a_browser(browser, built_book, tmp_path):
     assert found and int(found.group(1)) > 0, "the search page found nothing (is searchindex.js there?)"
     hits = re.findall(r'<a href="(book/[^"#?]+\.html)', dom.split('id="search-results"', 1)[-1])
     assert "book/05_positions.html" in hits, f"the positions chapter is not among the hits: {hits[:10]}"
+
+
+def test_the_vega_bundle_follows_charts_not_the_source_that_shows_them(tmp_path):
+    """A page that shows the renderer's template as highlighted source has no chart and gets no
+    bundle, whatever the highlighter escapes; a page with a chart's HTML output gets it."""
+    from transformer.viz import _TEMPLATE, chart_html
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'book' / '_ext')!r})\n"
+                                 "extensions = ['vega_offline']\n")
+    code = "\n".join("   " + line for line in f'_TEMPLATE = """{_TEMPLATE}"""'.splitlines())
+    chart = "\n".join("   " + line for line in chart_html({"mark": "point"}).splitlines())
+    (src / "index.rst").write_text("Pages\n=====\n\n.. toctree::\n\n   source\n   chart\n")
+    (src / "source.rst").write_text(f"Source\n======\n\n.. code-block:: python\n\n{code}\n\n"
+                                    f"Also inline: ``<div class=\"book-chart\">``.\n")
+    (src / "chart.rst").write_text(f"Chart\n=====\n\n.. raw:: html\n\n{chart}\n")
+    out = tmp_path / "html"
+    result = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", str(src), str(out)],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    bundle = re.compile(r'<script[^>]+src="[^"]*vega-bundle\.js')
+    shown = (out / "source.html").read_text()
+    assert 'class="book-chart"' in shown and not bundle.search(shown)   # the template, as it is...
+    assert bundle.search((out / "chart.html").read_text())             # ...the bundle with a chart

@@ -12,7 +12,7 @@ from transformer.devices import Precision, all_sum, choose_precision, prefetch, 
 def test_choose_precision_on_each_kind_of_device(monkeypatch):
     assert choose_precision("cpu").dtype is None
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
+        warnings.filterwarnings("ignore", message="cpu_bf16=True on a CPU without bf16")
         assert choose_precision("cpu", cpu_bf16=True).dtype == torch.bfloat16
     assert choose_precision("cpu", amp=True).scaler is None
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
@@ -20,7 +20,7 @@ def test_choose_precision_on_each_kind_of_device(monkeypatch):
     assert bf16.dtype == torch.bfloat16 and bf16.scaler is None
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")            # GradScaler warns when no GPU is there
+        warnings.filterwarnings("ignore", message=".*CUDA is not available")   # GradScaler, no GPU
         fp16 = choose_precision("cuda")
     assert fp16.dtype == torch.float16 and isinstance(fp16.scaler, torch.amp.GradScaler)
     assert choose_precision("cuda", amp=False).dtype is None

@@ -1,7 +1,6 @@
 """Chapter 19: the Llama-style decoder-only model equals Hugging Face's LlamaForCausalLM
 (weights copied, RoPE rows reordered), with and without the cache; generation, conversion
 and bad inputs."""
-import warnings
 
 import pytest
 import torch
@@ -23,10 +22,8 @@ def _random(seed, **overrides):
 
 
 def _twin(model):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        hf = transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(**hf_config_dict(model.config))).eval()
+    hf = transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(**hf_config_dict(model.config))).eval()
     hf.load_state_dict(to_hf_state_dict(model), strict=True)
     return hf
 
@@ -55,11 +52,10 @@ def test_cached_decoding_equals_hf_cached_and_full(overrides):
         mine = [ours(ids[:, :4], caches)] + [ours(ids[:, t:t + 1], caches)
                                              for t in range(4, 20)]
         out = hf(ids[:, :4], use_cache=True)
-        theirs, past = [out.logits], out.past_key_values
+        theirs = [out.logits]
         for t in range(4, 20):
-            out = hf(ids[:, t:t + 1], past_key_values=past, use_cache=True)
+            out = hf(ids[:, t:t + 1], cache=out.cache, use_cache=True)
             theirs.append(out.logits)
-            past = out.past_key_values
     mine, theirs = torch.cat(mine, 1), torch.cat(theirs, 1)
     assert (mine - theirs).abs().max() < 1e-5
     assert (mine - full).abs().max() < 1e-5

@@ -56,6 +56,22 @@ def test_the_test_job_installs_from_requirements_and_runs_the_readme_command(wf)
     assert any("actionlint" in r for r in runs(job))
 
 
+def test_a_weekly_job_runs_the_suite_on_the_newest_versions_the_ranges_allow(wf):
+    "Upstream drift shows up as a red scheduled run of ours, before a reader meets it."
+    (cron,) = [entry["cron"] for entry in wf["on"]["schedule"]]
+    minute, hour, day, month, weekday = cron.split()
+    assert day == month == "*" and weekday.isdigit() and minute.isdigit() and hour.isdigit()
+    job = wf["jobs"]["latest"]
+    assert job["if"] == "github.event_name == 'schedule' || github.event_name == 'workflow_dispatch'"
+    assert "python -m pip install --upgrade --upgrade-strategy eager -r requirements.in" in runs(job)
+    assert not any("requirements.txt" in r for r in runs(job))        # the ranges, not the lock
+    assert runs(job)[-1] == "pytest" and job["env"]["CI"] == "true"
+    assert job["env"]["TRANSFORMER_UNLOCKED"] == "1"                 # test_lock: not the lock here
+    assert "download.pytorch.org/whl/cpu" in job["env"]["PIP_EXTRA_INDEX_URL"]
+    for name in ("test", "build"):                                    # the lock's jobs: not weekly
+        assert wf["jobs"][name]["if"] == "github.event_name != 'schedule'"
+
+
 def test_build_uploads_the_site_and_deploy_publishes_it_from_main_only(wf):
     build, deploy = wf["jobs"]["build"], wf["jobs"]["deploy"]
     assert build["needs"] == "test" and deploy["needs"] == "build"
@@ -95,28 +111,6 @@ def test_actionlint_passes_and_would_catch_a_mistake(tmp_path):
                    "      - run: echo ${{ matrix.missing }}\n")
     caught = subprocess.run([*command, str(bad)], capture_output=True, text=True)
     assert caught.returncode != 0 and "missing" in caught.stdout + caught.stderr
-
-
-def _requirements(path: Path) -> dict[str, str]:
-    "name -> the full requirement line, for the package lines of a requirements file."
-    out = {}
-    for line in path.read_text().splitlines():
-        line = line.split("#")[0].strip()
-        if line and not line.startswith("-"):
-            out[re.split(r"[<>=!~\[ ]", line, maxsplit=1)[0].lower()] = line
-    return out
-
-
-def test_binder_takes_the_cpu_wheel_of_the_same_torch_and_what_the_notebooks_import():
-    main, binder = _requirements(ROOT / "requirements.txt"), _requirements(ROOT / "binder" / "requirements.txt")
-    text = (ROOT / "binder" / "requirements.txt").read_text()
-    assert "--extra-index-url https://download.pytorch.org/whl/cpu" in text
-    assert binder["torch"] == main["torch"] + "+cpu"                   # same version, CPU-only build
-    assert "-e ." in text.splitlines()                                  # the package itself
-    toolchain = {"jupyter-book", "nbdev", "nbval", "pytest", "nbclient", "pyyaml", "django-static-mathjax"}
-    for name, line in main.items():
-        if name not in toolchain | {"torch"}:
-            assert binder.get(name) == line, f"binder/requirements.txt lacks {line}"
 
 
 def test_launch_buttons_name_colab_and_binder_and_the_repository_once():

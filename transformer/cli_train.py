@@ -207,7 +207,7 @@ def _check_out(out: Path, args) -> None:
         if (out / "metrics.jsonl").exists():
             # a cut last line is reported once, when train drops it
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
+                warnings.filterwarnings("ignore", message=".*dropped its last line")
                 # a damaged line: an error now, before any work
                 read_metrics(out / "metrics.jsonl")
         return

@@ -189,8 +189,8 @@ def _plots():
     try:
         from transformer import plots
     except ImportError as e:
-        raise CLIError(f"plot and attend need matplotlib ({e}); pip install "
-                       "matplotlib") from None
+        raise CLIError(f"plot and attend need the figures extra ({e}): pip install "
+                       "'transformer-book[figures]'") from None
     return plots
 
 

@@ -12,10 +12,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-import matplotlib
 import torch
-from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
+
+try:
+    import matplotlib
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+except ImportError as e:                       # the package's figures are an extra
+    raise ImportError(f"transformer.plots needs matplotlib ({e}): pip install "
+                      "'transformer-book[figures]'") from None
 
 from .tokens import BOS, EOS, Tokenizer
 from .positions import sinusoidal_encoding

@@ -8,7 +8,11 @@ import hashlib
 import json
 from collections import Counter
 
-import altair as alt
+try:
+    import altair as alt
+except ImportError as e:                       # the package's figures are an extra
+    raise ImportError(f"transformer.viz needs altair ({e}): pip install "
+                      "'transformer-book[figures]'") from None
 
 _CDN = ("https://cdn.jsdelivr.net/npm/vega@6",
         "https://cdn.jsdelivr.net/npm/vega-lite@6.4",

@@ -3,7 +3,9 @@
 - Vega, Vega-Lite and Vega-Embed: altair's default HTML loads them from a CDN. The book's charts
   (see `transformer.viz`) call the global `vegaEmbed` instead; this extension writes the
   libraries, bundled by vl-convert, to `_static/vega-bundle.js` at build time and adds it to the
-  pages that have a chart (about 1 MB that the other pages do not load). The bundle is wrapped in a function so that its top-level names do not clash with
+  pages that have a chart (about 1 MB that the other pages do not load): a page has one when its
+  document holds the renderer's HTML output (`has_chart`), never when it merely shows its
+  source. The bundle is wrapped in a function so that its top-level names do not clash with
   Sphinx's own globals; it exports only `vega`, `vegaLite` and `vegaEmbed` on `window`.
 - MathJax 3: Sphinx loads it from a CDN by default. We copy the files of the
   `django-static-mathjax` wheel (a plain copy of MathJax 3, no Django needed) into
@@ -16,6 +18,8 @@
 """
 import shutil
 from pathlib import Path
+
+from docutils import nodes
 
 BUNDLE = "vega-bundle.js"
 MATHJAX = "mathjax/es5/tex-mml-chtml.js"
@@ -57,14 +61,27 @@ html[data-theme="dark"] .book-chart {
 """
 
 
+CHART = 'class="book-chart"'   # what transformer.viz's renderer writes on each chart's div
+
+
+def has_chart(doctree) -> bool:
+    """A chart is raw HTML that the renderer wrote: a cell's (or a glued) HTML output, which
+    myst-nb turns into a `raw` node. Source code that shows the renderer's template, and text
+    that a cell prints, become `literal_block` nodes, whatever the highlighter makes of them."""
+    if doctree is None:                                 # a page with no document (search, ...)
+        return False
+    return any(node.get("format") == "html" and CHART in node.astext()
+               for node in doctree.findall(nodes.raw))
+
+
 def _page_scripts(app, pagename, templatename, context, doctree):
     "The vega bundle only where a chart is; each inline script once."
     scripts, seen, kept = context.get("script_files", []), set(), []
-    has_chart = 'class="book-chart' in context.get("body", "")   # a chart, not its mention
+    chart = has_chart(doctree)
     for script in scripts:
         name = str(getattr(script, "filename", script) or "")  # None and "": inline
         key = (name, tuple(sorted(getattr(script, "attributes", {}).items())))
-        if (name.endswith(BUNDLE) and not has_chart) or key in seen:
+        if (name.endswith(BUNDLE) and not chart) or key in seen:
             continue
         seen.add(key)
         kept.append(script)
