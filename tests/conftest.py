@@ -20,3 +20,26 @@ def keep_threads():
     before = torch.get_num_threads()
     yield
     torch.set_num_threads(before)
+
+
+# The fast lane (CONTRIBUTING, "Running the tests"): `pytest -m "not slow"` leaves out what trains,
+# starts processes, builds the book, opens a browser or runs a notebook. Tests mark themselves
+# `slow`; these get their marks from what they are or what they use.
+FIXTURE_MARKS = {
+    "built_book": ("book", "slow"),                 # tests/test_book.py: a whole book build
+    "browser": ("browser", "slow"),                 # pages opened in headless Chrome
+    "trained": ("slow",), "shaped": ("slow",),      # tests/test_cli.py: `train` runs
+    "swept": ("slow",),                             # tests/test_sweep.py: a real sweep
+    "copier": ("slow",),                            # tests/test_decoding.py: a model trained to copy
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        marks = set()
+        if item.path.suffix == ".ipynb":                                # nbval: a chapter's cells
+            marks |= {"notebooks", "slow"}
+        for name in getattr(item, "fixturenames", ()):
+            marks |= set(FIXTURE_MARKS.get(name, ()))
+        for mark in sorted(marks):
+            item.add_marker(mark)

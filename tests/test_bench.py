@@ -74,6 +74,7 @@ def test_reference_can_fail():
         assert (ours(src, tgt_in) - ref(src, tgt_in)).abs().max() > 1e-6
 
 
+@pytest.mark.slow
 def test_reference_decode_takes_a_causal_mask_and_decodes_alike():
     ours, ref = _pair()
     src, tgt_in = _batch()
@@ -89,6 +90,7 @@ def test_reference_decode_takes_a_causal_mask_and_decodes_alike():
 
 @pytest.mark.parametrize("model_cls", [Transformer, TorchTransformer])
 @pytest.mark.parametrize("B,S,T", [(3, 7, 5), (2, 4, 9)])
+@pytest.mark.slow
 def test_train_flops_equal_pytorch_flop_counter(model_cls, B, S, T):
     cfg = TransformerConfig.preset("tiny", src_vocab=90, tgt_vocab=90)
     model = model_cls(cfg)
@@ -116,6 +118,7 @@ def test_assumed_peaks():
     assert assumed_peak_tflops("Some Future GPU") is None
 
 
+@pytest.mark.slow
 def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     "Real Multi30k batches, tiny preset: the table ends in a parsable line, --json is one valid object."
     seen = {"Transformer": [], "TorchTransformer": []}
@@ -171,6 +174,7 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     assert result["threads"] == 1 and torch.get_num_threads() == threads_before  # restored
 
 
+@pytest.mark.slow
 def test_bench_writes_json_file(tmp_path, capsys):
     out = tmp_path / "r" / "bench.json"
     assert bench.main(SMALL_RUN + ["--repeats", "1", "--out", str(out)]) == 0
@@ -197,6 +201,7 @@ def test_bad_out_is_refused_before_the_benchmark(where, tmp_path, capsys, monkey
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and a_file.read_text() == "keep"
 
 
+@pytest.mark.slow
 def test_bad_out_from_the_command_line(tmp_path):
     "The same through `python -m transformer bench`: exit code 2, one line, no traceback."
     result = subprocess.run([sys.executable, "-m", "transformer", "bench", "--out", str(tmp_path)],

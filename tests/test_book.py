@@ -272,6 +272,7 @@ def test_search_works_offline_in_a_browser(browser, built_book, tmp_path):
     assert "book/05_positions.html" in hits, f"the positions chapter is not among the hits: {hits[:10]}"
 
 
+@pytest.mark.slow
 def test_the_vega_bundle_follows_charts_not_the_source_that_shows_them(tmp_path):
     """A page that shows the renderer's template as highlighted source has no chart and gets no
     bundle, whatever the highlighter escapes; a page with a chart's HTML output gets it."""
@@ -295,3 +296,22 @@ def test_the_vega_bundle_follows_charts_not_the_source_that_shows_them(tmp_path)
     shown = (out / "source.html").read_text()
     assert 'class="book-chart"' in shown and not bundle.search(shown)   # the template, as it is...
     assert bundle.search((out / "chart.html").read_text())             # ...the bundle with a chart
+
+
+BLANKET = re.compile(r"""(simplefilter|filterwarnings)\(\s*["']ignore["']\s*\)""")
+
+
+def test_no_code_silences_every_warning():
+    """A cell that expects a warning names it; a blanket filter would hide the next library's new
+    warning from nbval, and from the weekly run on the newest versions."""
+    found = []
+    for nb in sorted((ROOT / "book").glob("*.ipynb")):
+        for i, cell in enumerate(json.loads(nb.read_text())["cells"]):
+            if cell["cell_type"] == "code" and BLANKET.search("".join(cell["source"])):
+                found.append(f"{nb.name} cell {i}")
+    for path in sorted([*(ROOT / "transformer").glob("*.py"), *(ROOT / "tests").glob("*.py")]):
+        if path.name != "test_book.py" and BLANKET.search(path.read_text()):
+            found.append(path.name)
+    assert not found, f"blanket warning filters (name the warning instead): {found}"
+    assert BLANKET.search('warnings.simplefilter("ignore")') and not BLANKET.search(
+        'warnings.filterwarnings("ignore", message="IProgress not found")')

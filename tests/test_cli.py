@@ -281,6 +281,7 @@ def test_mismatched_tokenizer(trained, tmp_path):
     assert_one_line_error(code, o, err, 1, "from different runs")
 
 
+@pytest.mark.slow
 def test_python_dash_m_runs_main():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     ok = subprocess.run([sys.executable, "-m", "transformer", "--help"], capture_output=True, text=True, env=env)
@@ -319,6 +320,7 @@ def _kernel_cache(capacity: int, **env) -> tuple[str, list[str]]:
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN in this build of torch")
+@pytest.mark.slow
 def test_cap_kernel_cache_takes_effect_after_importing_the_package_and_yields_to_the_user():
     # oneDNN's default (1024), set by the user: the third multiplication reuses the first one's kernel
     said, events = _kernel_cache(1, ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
@@ -493,6 +495,7 @@ def test_second_process_is_refused_while_a_run_holds_the_directory(trained, tmp_
     assert code == 0, err
 
 
+@pytest.mark.slow
 def test_two_trainings_into_one_directory(multi30k, tmp_path):
     "Started together: one trains, the other is refused with one line; the run left is whole and consistent."
     out = tmp_path / "both"
@@ -513,6 +516,7 @@ def test_two_trainings_into_one_directory(multi30k, tmp_path):
     assert config["data"]["src"] in ("de", "fr") and not list(out.glob(".*.tmp"))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     out = tmp_path / "term"
     argv = [*TRAIN, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]
@@ -634,6 +638,7 @@ def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
     assert code == 0 and len(stdout.splitlines()) == 1, err
 
 
+@pytest.mark.slow
 def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_path):
     out = tmp_path / "run"
     code, _, err = run(*SHORT, "--subword-dropout", 0.1, "--out", out)
@@ -647,6 +652,7 @@ def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_p
     assert json.loads((out / "results.json").read_text())["steps"] == 5
 
 
+@pytest.mark.slow
 def test_a_run_from_before_subword_dropout_resumes(multi30k, tmp_path):
     "config.json and last.pt without the field: the run trained with its default, 0."
     from transformer.checkpoints import load_checkpoint
@@ -677,6 +683,7 @@ def _strip_new_fields(run_dir, checkpoints=()):
 
 
 @pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")], ids=["config.json", "config.json+last.pt"])
+@pytest.mark.slow
 def test_resume_of_a_run_from_before_the_shape_fields(multi30k, tmp_path_factory, checkpoints):
     "A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults."
     out = tmp_path_factory.mktemp("old") / "run"

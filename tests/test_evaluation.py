@@ -115,6 +115,7 @@ def _sharded_callback_worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_path):
     import socket
     import torch.multiprocessing as mp

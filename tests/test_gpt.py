@@ -159,6 +159,7 @@ def copy_examples(n, seed, vocab=16):
     return out
 
 
+@pytest.mark.slow
 def test_the_decoder_only_model_learns_to_copy(tmp_path):
     torch.manual_seed(0)
     model = DecoderOnly(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
@@ -176,6 +177,7 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
     assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 27
 
 
+@pytest.mark.slow
 def test_train_command_with_arch_writes_a_run_that_translates(tmp_path):
     data = os.environ.get("TRANSFORMER_DATA") or str(ROOT.parent / "shared" / "data")
     out = tmp_path / "run"

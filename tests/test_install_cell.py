@@ -60,6 +60,7 @@ def test_the_cell_does_nothing_where_the_package_is_installed_and_installs_where
     assert _run_cell(source, importable=False) == [f'%pip install --quiet "{SPEC}"']
 
 
+@pytest.mark.slow
 def test_the_spec_installs_in_an_empty_venv_from_the_local_checkout(tmp_path):
     "The cell's requirement, pointed at this checkout: pip builds and installs the package from git."
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", CONFIG["repository"]["branch"]],

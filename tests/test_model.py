@@ -395,6 +395,7 @@ def test_config_without_the_new_fields_loads_with_defaults():
 
 
 @pytest.mark.parametrize("positions, d_k, norm_first", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.slow
 def test_variant_cached_decoding_equals_uncached(positions, d_k, norm_first):
     "The KV cache (values of width d_v, keys of width d_k, the position read from pe[t]) gives the full prefix's logits."
     from transformer.decoding import CachedDecoder, PrefixDecoder, beam_search, greedy_search
@@ -441,6 +442,7 @@ def test_cached_decoding_reads_the_position_table(positions, monkeypatch):
 
 
 @pytest.mark.parametrize("positions, d_k, norm_first", VARIANTS, ids=VARIANT_IDS)
+@pytest.mark.slow
 def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
     "save_checkpoint then model_from_checkpoint: the same config and bit-identical outputs (learned positions saved)."
     from transformer.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint

@@ -221,6 +221,7 @@ def _glyph_warnings(draw) -> list[str]:
     return [str(w.message) for w in caught if "missing from font" in str(w.message)]
 
 
+@pytest.mark.slow
 def test_german_text_has_every_glyph_whatever_the_default_font(shipped):
     _, _, att = shipped
     runs = {"Läufe mit Größe": records(3, 1, 1.0)}
@@ -255,6 +256,7 @@ def test_positional_encoding_is_the_table():
 # --- files ------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", plots.FORMATS)
+@pytest.mark.slow
 def test_save_figure_writes_the_format_of_the_extension_and_the_same_bytes_twice(tmp_path, fmt):
     path = plots.save_figure(plots.positional_encoding(20, 8), tmp_path / f"pe.{fmt.upper()}")   # any case
     assert_image(path, fmt)
@@ -287,6 +289,7 @@ def test_figures_never_reach_pyplot():
 # --- the commands -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", plots.FORMATS)
+@pytest.mark.slow
 def test_plot_command_writes_the_image(tmp_path, fmt):
     out = tmp_path / f"curves.{fmt}"
     code, stdout, err = run("plot", RESULTS / "xeon-de-en", A_RUN, "--out", out)
@@ -295,6 +298,7 @@ def test_plot_command_writes_the_image(tmp_path, fmt):
     assert_image(out, fmt)
 
 
+@pytest.mark.slow
 def test_commands_write_deterministic_default_names_in_the_current_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert run("plot", A_RUN)[0] == 0
@@ -375,6 +379,7 @@ def test_read_only_directory_is_refused_before_any_work(tmp_path):
     assert code == 1 and "cannot write there" in err and list(locked.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_python_dash_m_plot_and_attend(tmp_path):
     "The two commands as a user runs them, in a fresh process, from a directory of their own."
     env = {k: v for k, v in os.environ.items() if k not in ("DISPLAY", "MPLBACKEND")}

@@ -71,6 +71,7 @@ def test_draws_depend_on_seed_and_epoch_only(tok, pairs):
     assert SubwordDropout(tok, pairs, 0.3, seed=3)(2) != first
 
 
+@pytest.mark.slow
 def test_draws_are_the_same_in_another_process(tok, pairs, tmp_path):
     "What a resumed run in a new process relies on (sentencepiece's own sampling fails this)."
     import hashlib
@@ -115,6 +116,7 @@ def quick(**kw):
                                  subword_dropout=0.1), **kw})
 
 
+@pytest.mark.slow
 def test_the_loop_resumes_a_run_with_subword_dropout_exactly(tok, pairs, tmp_path):
     data = lambda: SubwordDropout(tok, pairs[:150], 0.1)
     model_a = small_model(tok)

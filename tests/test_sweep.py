@@ -331,6 +331,7 @@ def test_results_copies_the_small_files_and_collect_reads_them(swept, tmp_path):
 
 # ---- stopped by a signal, resumed ----------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
     """SIGTERM to `python -m transformer sweep`: the child saves last.pt, the sweep exits 130; the same command (its
     budget now set) continues the variant with --resume up to --max-steps."""

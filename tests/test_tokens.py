@@ -98,6 +98,7 @@ def test_deterministic(train_texts, tok):
     assert other != tok
 
 
+@pytest.mark.slow
 def test_unigram_deterministic(train_texts):
     texts = train_texts[:4000]
     a = Tokenizer.train(texts, vocab_size=1000, model_type="unigram")

@@ -233,6 +233,7 @@ def test_train_config_presets():
 
 # --- the loop ---------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_tiny_model_learns_to_copy():
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4, n_layers=2,
@@ -254,6 +255,7 @@ def run_steps(out_dir, max_steps, resume=False, dropout=0.1):
     return model, result
 
 
+@pytest.mark.slow
 def test_resume_gives_identical_losses_and_weights(tmp_path):
     model_a, a = run_steps(tmp_path / "a", 16)
     _, b1 = run_steps(tmp_path / "b", 8)
@@ -340,6 +342,7 @@ def test_checkpoints_record_the_run(tmp_path):
         assert load_checkpoint(tmp_path / name)["run"] == {"tokenizer_sha256": "ab" * 32}
 
 
+@pytest.mark.slow
 def test_run_lock_is_exclusive_reentrant_and_leaves_nothing(tmp_path):
     import subprocess, sys
     out = tmp_path / "run"
@@ -551,6 +554,7 @@ def _ddp_worker(rank, world_size, port, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
     torch.manual_seed(0)
     single = Transformer(tiny_config())
@@ -769,6 +773,7 @@ def test_cross_entropy_sums_equal_the_teaching_path_with_padding(eps):
     assert results[1][2][0, 4:].abs().max() == 0                       # no gradient reaches a padded position
 
 
+@pytest.mark.slow
 def test_the_training_step_compiles_into_one_graph_with_no_break():
     "fullgraph=True fails on any graph break (data-dependent shape, branch on a tensor): forward and backward."
     from torch._dynamo.utils import counters
@@ -797,6 +802,7 @@ def test_the_training_step_compiles_into_one_graph_with_no_break():
     assert counters["stats"]["unique_graphs"] <= 2                      # training graph, evaluation graph
 
 
+@pytest.mark.slow
 def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_path):
     "train(compile=True) over batches of many shapes: the batch and length dims are dynamic, one graph."
     from torch._dynamo.utils import counters
@@ -860,6 +866,7 @@ def _ddp_worker_accumulating(rank, world_size, port, out_dir, resume_at):
 
 
 @pytest.mark.parametrize("resume_at", [0, 3])
+@pytest.mark.slow
 def test_gloo_ddp_with_accumulation_and_resume_matches_one_process(tmp_path, resume_at):
     "2 processes x 2 pieces = 1 process x 4 pieces; and the same after a stop and resume at step 3."
     torch.manual_seed(0)

@@ -97,6 +97,7 @@ def _actionlint() -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_actionlint_passes_and_would_catch_a_mistake(tmp_path):
     command = _actionlint()
     if command is None:
