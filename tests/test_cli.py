@@ -183,6 +183,8 @@ def _broken_runs(tmp_path):
     (tmp_path / "notok").mkdir()
     torch.save({}, tmp_path / "notok" / "last.pt")
     (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "escape").mkdir()                            # results.json names a file elsewhere
+    (tmp_path / "escape" / "results.json").write_text(json.dumps({"checkpoint": "../foreign/best"}))
     (tmp_path / "stub").mkdir()
     (tmp_path / "stub" / "config.json").write_text("{}")
     (tmp_path / "stub" / "tokenizer.model").write_bytes(b"x")
@@ -220,7 +222,19 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("subword dropout out of range", ["train", "--subword-dropout", "1"], 2,
      "argument --subword-dropout: 1 must be in [0, 1)"),
     ("negative clip norm", ["train", "--clip-norm", "-1"], 2, "argument --clip-norm: -1 must be >= 0"),
-    ("negative length penalty", ["translate", "--model", "TMP/empty", "--alpha", "-1", "x"], 2, "-1 must be >= 0"),
+    ("negative length penalty", ["translate", "--model", "TMP/empty", "--alpha", "-1", "x"], 2,
+     "argument --alpha: -1 must be in [0, 10]"),
+    # issue 28: limits on what one command may allocate, paths that stay inside the run
+    ("huge length penalty", ["translate", "--model", "TMP/empty", "--alpha", "1e308", "x"], 2,
+     "argument --alpha: 1e308 must be in [0, 10]"),
+    ("huge beam", ["translate", "--model", "TMP/empty", "--beam", "8000", "x"], 2,
+     "argument --beam: 8000 must be in [1, 64]"),
+    ("huge beam (evaluate)", ["evaluate", "--model", "TMP/empty", "--beam", "100000"], 2,
+     "argument --beam: 100000 must be in [1, 64]"),
+    ("huge beam (attend)", ["attend", "--model", "TMP/empty", "--beam", "65", "x"], 2,
+     "argument --beam: 65 must be in [1, 64]"),
+    ("checkpoint outside the run", ["translate", "--model", "TMP/escape", "x"], 1,
+     "results.json: \"checkpoint\" is '../foreign/best', not one of best, last, averaged; fix the file"),
     ("negative average", ["train", "--average", "-2"], 2, "argument --average: -2 must be >= 0"),
     ("infinite learning rate", ["train", "--lr-scale", "inf"], 2, "inf must be > 0"),
     ("--out is a file", ["train", "--out", "TMP/afile"], 1, "afile is a file, not a directory; pass a directory"),

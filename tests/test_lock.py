@@ -3,6 +3,7 @@ for every platform (compiled by .ci/lock.py), and the environment the tests run 
 import importlib.util
 import os
 import re
+import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
@@ -110,3 +111,21 @@ def test_binder_has_the_lock_with_the_cpu_build_of_the_same_torch():
         assert [(v, str(m)) for v, m in entries] == [(v, str(m)) for v, m in expected], name
     runtime = (ROOT / "binder" / "runtime.txt").read_text().strip()
     assert runtime == f"python-{lock_script.PYTHON}"
+
+
+@pytest.mark.parametrize("module, missing", [("plots", "matplotlib"), ("viz", "altair")])
+def test_without_the_figures_extra_the_error_names_it(module, missing, monkeypatch):
+    import importlib
+
+    import transformer
+    from transformer.cli import CLIError
+    from transformer.cli_use import _plots
+
+    monkeypatch.setitem(sys.modules, missing, None)                   # as if not installed
+    monkeypatch.delitem(sys.modules, f"transformer.{module}", raising=False)
+    monkeypatch.delattr(transformer, module, raising=False)
+    with pytest.raises(ImportError, match=re.escape("pip install 'transformer-book[figures]'")):
+        importlib.import_module(f"transformer.{module}")
+    if module == "plots":                                             # `plot` and `attend` say so
+        with pytest.raises(CLIError, match=re.escape("'transformer-book[figures]'")):
+            _plots()

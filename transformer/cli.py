@@ -20,7 +20,8 @@ from .checkpoints import (CheckpointError, TrainingError, atomic_write,
                                      load_checkpoint, model_from_checkpoint)
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'CLIError', 'build_parser', 'load_run', 'Terminated', 'main']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CHECKPOINTS', 'CLIError', 'build_parser',
+           'load_run', 'Terminated', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -44,11 +45,12 @@ class _Parser(argparse.ArgumentParser):
         raise CLIError(f"{self.prog}: {message} (see --help)", code=2)
 
 
-def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False):
-    ("An argparse type: a finite `kind` in (low, high), or [low, high) with "
-     "`low_ok`; the message says which.")
+def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False,
+            high_ok: bool = False):
+    ("An argparse type: a finite `kind` in (low, high); `low_ok`, `high_ok` close the "
+     "interval at that end; the message says which.")
     rule = (f"{'>=' if low_ok else '>'} {low:g}" if high is None
-            else f"in [{low:g}, {high:g})")
+            else f"in {'[' if low_ok else '('}{low:g}, {high:g}{']' if high_ok else ')'}")
 
     def parse(text: str):
         try:
@@ -56,7 +58,8 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
         ok = value >= low if low_ok else value > low
-        if not (ok and (high is None or value < high)
+        below = high is None or (value <= high if high_ok else value < high)
+        if not (ok and below
                 and float(value) not in (float("inf"), float("-inf"))):
             raise argparse.ArgumentTypeError(f"{text} must be {rule}")
         return value
@@ -66,6 +69,14 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
 
 def _positive(kind):
     return _number(kind)
+
+
+# Limits on what one decoding may allocate: the beams of every sentence are decoded at once
+# (--beam 8000 took 5 GB), and the length penalty ((5 + |Y|) / 6) ** alpha overflows a float
+# near alpha = 5,000. The paper decodes with 4 beams and alpha 0.6.
+MAX_BEAM, MAX_ALPHA = 64, 10.0
+BEAM = _number(int, 1, MAX_BEAM, low_ok=True, high_ok=True)
+ALPHA = _number(float, 0, MAX_ALPHA, low_ok=True, high_ok=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -94,12 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _decoding_flags(parser) -> None:
     "--beam and --alpha, for train's final evaluation and for translate/evaluate."
-    parser.add_argument("--beam", type=_positive(int), default=4,
-                        help="beam size (default: 4; 1 = greedy)")
-    parser.add_argument("--alpha", type=_number(float, low_ok=True), default=None,
+    parser.add_argument("--beam", type=BEAM, default=4,
+                        help=f"beam size (default: 4; 1 = greedy; at most {MAX_BEAM})")
+    parser.add_argument("--alpha", type=ALPHA, default=None,
                         help="GNMT length penalty (default: train tries 0.6 and 1.0 "
                              "and keeps the better on val; translate and evaluate use "
-                             "the one the run chose, else 0.6)")
+                             f"the one the run chose, else 0.6; at most {MAX_ALPHA:g})")
 
 
 def _train_parser(sub) -> None:
@@ -305,8 +316,9 @@ def _add_figure_commands(sub) -> None:
                    help="one layer, counted from 1 (default: all)")
     a.add_argument("--head", type=_positive(int), metavar="H",
                    help="one head, counted from 1 (default: all)")
-    a.add_argument("--beam", type=_positive(int), default=1, metavar="K",
-                   help="beam size of the translation (default: 1 = greedy)")
+    a.add_argument("--beam", type=BEAM, default=1, metavar="K",
+                   help=f"beam size of the translation (default: 1 = greedy; at most "
+                        f"{MAX_BEAM})")
     a.add_argument("--out", metavar="FILE",
                    help="the image: .png, .svg or .pdf (default: "
                         "attention-KIND[-layerL][-headH].png)")
@@ -333,13 +345,21 @@ def _write_json(path: Path, obj) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
 
 
+CHECKPOINTS = ("best", "last", "averaged")   # the weights a run directory may hold: NAME.pt
+
+
 def _chosen(run_dir: Path) -> str:
-    "The checkpoint `train` picked on val (results.json's `checkpoint`), else best."
+    """The checkpoint `train` picked on val (results.json's `checkpoint`), else best. Only
+    one of CHECKPOINTS: a name read from a file never leads outside the run directory."""
     try:
-        return json.loads((run_dir / "results.json").read_text()).get(
+        chosen = json.loads((run_dir / "results.json").read_text()).get(
             "checkpoint", "best")
     except (OSError, json.JSONDecodeError, AttributeError):
         return "best"
+    if chosen not in CHECKPOINTS:
+        raise CLIError(f"{run_dir / 'results.json'}: \"checkpoint\" is {chosen!r}, not one of "
+                       f"{', '.join(CHECKPOINTS)}; fix the file or pass --checkpoint best")
+    return chosen
 
 
 def _run_alpha(run_dir: Path) -> float:
@@ -372,6 +392,8 @@ def load_run(run_dir: str | os.PathLike, which: str = "chosen",
     best.pt when it says nothing, or when the file it picked is gone). The checkpoint
     must have been trained with this tokenizer.model (its sha256)."""
     run_dir = Path(run_dir)
+    if which not in ("chosen", *CHECKPOINTS):
+        raise CLIError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
     if not run_dir.is_dir():
         raise CLIError(f"--model {run_dir}: no such directory")
     if which == "chosen":
