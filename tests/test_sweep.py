@@ -377,3 +377,82 @@ def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
     trains = [r["step"] for r in records if r["kind"] == "train"]
     assert trains == sorted(set(trains)) and trains[-1] == step + 3
     assert load_checkpoint(out / "long" / "last.pt")["progress"]["step"] == step + 3
+
+
+# ---- issue 28: a sweep never deletes a live run, survives what a child prints, and leaves no orphan --------------
+
+def _children(monkeypatch, commands: dict[str, list[str]]):
+    """Run these variants' children as the given commands (cheap stand-ins for train and evaluate); the jobs
+    the sweep starts are collected in the returned list."""
+    import transformer.sweep as sw
+    real, jobs = sw.command_line, []
+    monkeypatch.setattr(sw, "command_line", lambda v, *a, **k: commands.get(v.name) or real(v, *a, **k))
+    init = sw._Job.__init__
+
+    def keep(self, *a, **k):
+        init(self, *a, **k)
+        jobs.append(self)
+    monkeypatch.setattr(sw._Job, "__init__", keep)
+    return jobs
+
+
+def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
+    "A run still alive (from an earlier sweep) holds its lock: the sweep neither clears its files nor starts it."
+    out = tmp_path / "runs"
+    (out / "a").mkdir(parents=True)
+    for name in ("config.json", "tokenizer.model"):                       # a new run's first files, no last.pt yet
+        (out / "a" / name).write_text("{}")
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
+                               "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
+                               str(out / "a")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        _children(monkeypatch, {"a": [sys.executable, "-c", "pass"], "b": [sys.executable, "-c", "pass"]})
+        path = write_variants(tmp_path / "v.json", [{"name": "a", "row": "x"}, {"name": "b", "row": "x"}])
+        code, stdout, err = sweep(path, "--out", out, "--jobs", "2")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder.pid})" in stdout
+    assert "1 variants are running in another process: a; left alone" in err
+    assert sorted(p.name for p in (out / "a").iterdir()) == [".lock", "config.json", "tokenizer.model"]
+    assert run_state(out / "b") == "new" and (out / "b" / "log.txt").exists()   # b ran (a train stand-in)
+
+
+def test_output_the_sweep_cannot_parse_is_a_failure_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    "`evaluate --help` prints no JSON line; a child that prints 100 KB must not block the sweep on a pipe."
+    big = "import json\nprint('x' * 100_000)\nprint(json.dumps({'bleu': 1.5}))"
+    _children(monkeypatch, {"big": [sys.executable, "-c", big]})
+    path = write_variants(tmp_path / "v.json", [{"name": "help", "row": "x", "command": "evaluate", "args": ["--help"]},
+                                                {"name": "big", "row": "x", "command": "evaluate"}])
+    code, stdout, err = sweep(path, "--out", tmp_path / "runs")
+    assert code == 1 and "1 variants failed: help" in err
+    failed = json.loads((tmp_path / "runs" / "help" / "failed.json").read_text())
+    assert failed["returncode"] == 0 and failed["error"] == "its last line is not the JSON object of a result"
+    assert failed["last_lines"][-1].strip().startswith("--output FILE")   # the end of what it printed
+    result = json.loads((tmp_path / "runs" / "big" / "results.json").read_text())
+    assert result["bleu"] == 1.5 and result["variant"] == "big"
+
+
+def test_no_child_outlives_the_sweep(tmp_path, monkeypatch):
+    "Whatever ends the sweep (here a bug of ours in finishing a job), it ends the children it started."
+    import transformer.sweep as sw
+    jobs = _children(monkeypatch, {"quick": [sys.executable, "-c", "pass"],
+                                   "slow": [sys.executable, "-c", "import time; time.sleep(60)"]})
+    monkeypatch.setattr(sw._Job, "finish", lambda self: 1 / 0)
+    variants = [Variant("quick", "x"), Variant("slow", "x")]
+    with pytest.raises(ZeroDivisionError):
+        sw.run_sweep(variants, [], tmp_path / "runs", jobs=2, say=lambda *a: None)
+    assert [j.variant.name for j in jobs] == ["quick", "slow"]
+    assert all(j.proc.poll() is not None for j in jobs)                 # ended, not left running
+
+
+@pytest.mark.parametrize("flag", ["--out", "--results"])
+def test_out_or_results_naming_a_file_is_refused_before_any_work(tmp_path, flag):
+    path = write_variants(tmp_path / "v.json", [{"name": "a", "row": "x"}])
+    (tmp_path / "afile").write_text("x")
+    argv = ["--out", tmp_path / "runs", flag, tmp_path / "afile"] if flag == "--results" else [flag, tmp_path / "afile"]
+    code, stdout, err = sweep(path, *argv)
+    assert code == 2 and stdout == "" and err == f"error: {flag} {tmp_path / 'afile'} is a file; name a directory " \
+                                                 "(it is created if missing)\n"
+    assert not (tmp_path / "runs").exists()

@@ -10,11 +10,12 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .checkpoints import atomic_write
+from .checkpoints import RunDirectoryError, atomic_write, run_lock
 from .cli_train import RUN_FILES
 
 # %% auto #0
@@ -120,46 +121,65 @@ def _clear_stub(run_dir: Path) -> None:
 
 # %% ../book/c_3_sweep.ipynb #s008
 class _Job:
-    "One variant running in a child process, its output appended to `<run>/log.txt`."
+    """One variant running in a child process, its output appended to `<run>/log.txt`.
+    The sweep touches the variant's directory only while it holds the run's lock (the
+    lock `train` holds while it runs): a run still alive from an earlier sweep is never
+    cleared, and starting one raises `RunDirectoryError`."""
 
     def __init__(self, variant: Variant, base: list[str], out: Path, extra: list[str]):
         self.variant, self.dir = variant, out / variant.name
-        self.dir.mkdir(parents=True, exist_ok=True)
-        if run_state(self.dir) == "new":
-            _clear_stub(self.dir)
+        with run_lock(self.dir):
+            if run_state(self.dir) == "new":
+                _clear_stub(self.dir)
         self.cmd = command_line(variant, base, self.dir, extra)
         self.log = open(self.dir / "log.txt", "a")
         self.log.write(f"$ {shlex.join(self.cmd)}\n")
         self.log.flush()
         self.started = time.monotonic()
-        stdout = subprocess.PIPE if variant.command == "evaluate" else self.log
+        # an evaluation's stdout (its JSON line) goes to a file, not a pipe: a pipe read
+        # only at the end would block a child that writes more than the pipe holds
+        self.stdout = (tempfile.TemporaryFile("w+") if variant.command == "evaluate"
+                       else self.log)
         # its own session: a Ctrl-C reaches the sweep alone, which then sends each
         # child one SIGTERM (a second signal would cut a child's final save short)
-        self.proc = subprocess.Popen(self.cmd, stdout=stdout, stderr=self.log, text=True,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(self.cmd, stdout=self.stdout, stderr=self.log,
+                                     text=True, start_new_session=True)
+
+    def _record(self, name: str, record: dict) -> None:
+        "Write results.json or failed.json under the run's lock."
+        record = {**record, "command": shlex.join(self.cmd[1:])}
+        with run_lock(self.dir):
+            atomic_write(self.dir / name,
+                         lambda f: f.write(json.dumps(record, indent=2) + "\n"), mode="w")
 
     def finish(self) -> bool:
         """After the process ended: write an evaluation's results, or failed.json (the
-        error, kept as a result: a diverged run is one); True if it succeeded."""
-        code = self.proc.wait()
-        ok = code == 0
-        if self.variant.command == "evaluate":
-            lines = self.proc.stdout.read().splitlines()
-            self.log.write("\n".join(lines) + "\n")
-            if ok:
-                record = {**json.loads(lines[-1]), "variant": self.variant.name,
-                          "command": shlex.join(self.cmd[1:])}
-                atomic_write(self.dir / "results.json",
-                             lambda f: f.write(json.dumps(record, indent=2) + "\n"),
-                             mode="w")
+        error and the output's last lines, kept as a result: a diverged run is one, and
+        so is an evaluation whose last line is not a JSON object); True if it
+        succeeded."""
+        code, record = self.proc.wait(), None
+        if self.stdout is not self.log:
+            self.stdout.seek(0)
+            lines = self.stdout.read().splitlines()
+            self.stdout.close()
+            self.log.write("".join(line + "\n" for line in lines))
+            try:
+                record = json.loads(lines[-1]) if code == 0 and lines else None
+            except json.JSONDecodeError:
+                pass
+            if not isinstance(record, dict):
+                record = None
         self.log.close()
+        ok = code == 0 and (record is not None or self.variant.command == "train")
+        if record is not None:
+            self._record("results.json", {**record, "variant": self.variant.name})
         if not ok and code != -signal.SIGKILL:
-            errors = [line for line in (self.dir / "log.txt").read_text().splitlines()
-                      if line.startswith("error:")]
-            record = {"returncode": code, "error": errors[-1] if errors else None,
-                      "command": shlex.join(self.cmd[1:])}
-            atomic_write(self.dir / "failed.json",
-                         lambda f: f.write(json.dumps(record, indent=2) + "\n"), mode="w")
+            log = (self.dir / "log.txt").read_text(errors="replace").splitlines()
+            errors = [line for line in log if line.startswith("error:")]
+            error = errors[-1] if errors else (
+                None if code else "its last line is not the JSON object of a result")
+            self._record("failed.json", {"returncode": code, "error": error,
+                                         "last_lines": log[-5:]})
         return ok
 
 # %% ../book/c_3_sweep.ipynb #s010
@@ -167,13 +187,16 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
               extra: list[str] = (), retry_failed: bool = False,
               say=print) -> dict[str, str]:
     """Run every variant not yet done (nor failed, unless `retry_failed`), `jobs` at a
-    time; returns {name: "done" | "skipped" | "failed" | "stopped"}. Ctrl-C or SIGTERM
+    time; returns {name: "done" | "skipped" | "failed" | "busy" | "stopped"} ("busy": its
+    directory is held by a live process, which the sweep leaves alone). Ctrl-C or SIGTERM
     stops the children (each saves its `last.pt`) and raises `KeyboardInterrupt`: the
     same call resumes."""
     out = Path(out)
     if retry_failed:
         for v in variants:
-            (out / v.name / "failed.json").unlink(missing_ok=True)
+            if (out / v.name / "failed.json").exists():
+                with run_lock(out / v.name):
+                    (out / v.name / "failed.json").unlink(missing_ok=True)
     status = {v.name: "skipped" for v in variants
               if run_state(out / v.name) in ("done", "failed")}
     todo = [v for v in variants if v.name not in status]
@@ -183,7 +206,13 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
     try:
         while todo or running:
             while todo and len(running) < jobs:
-                job = _Job(todo.pop(0), base, out, list(extra))
+                variant = todo.pop(0)
+                try:
+                    job = _Job(variant, base, out, list(extra))
+                except RunDirectoryError as e:       # alive, e.g. from an earlier sweep
+                    status[variant.name] = "busy"
+                    say(f"busy   {variant.name}: {e}")
+                    continue
                 running.append(job)
                 say(f"start  {job.variant.name}: {shlex.join(job.cmd[1:])}")
             time.sleep(0.2)
@@ -198,8 +227,10 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
                        "it from its last.pt)")
                 say(f"{'done  ' if ok else 'FAILED'} {job.variant.name} after "
                     f"{minutes:.1f} min{why}")
-    except KeyboardInterrupt:
-        for job in running:  # each child saves last.pt on SIGTERM and exits
+    except BaseException:
+        # Ctrl-C, SIGTERM or a bug of ours: no child outlives the sweep. Each saves its
+        # last.pt on SIGTERM and exits; the same call resumes it.
+        for job in running:
             if job.proc.poll() is None:
                 job.proc.send_signal(signal.SIGTERM)
         for job in running:
@@ -316,6 +347,11 @@ def main(argv: list[str] | None = None) -> int:
     extra = [*(["--threads", str(args.threads)] if args.threads else []),
              *(["--data", args.data] if args.data else []), *extra]
     out = Path(args.out).expanduser()
+    for flag, path in (("--out", out), ("--results", args.results)):
+        if path is not None and Path(path).exists() and not Path(path).is_dir():
+            print(f"error: {flag} {path} is a file; name a directory (it is created "
+                  "if missing)", file=sys.stderr)
+            return 2
     if args.list:
         for v in variants:
             print(f"{run_state(out / v.name):11} {v.name:18} "
@@ -330,6 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     failed = [v.name for v in variants if status[v.name] == "failed"]  # in file order
+    busy = [v.name for v in variants if status[v.name] == "busy"]
     if args.results:
         n = copy_results(out, Path(args.results), variants)
         print(f"copied the results of {n} finished variants to {args.results}")
@@ -337,7 +374,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(failed)} variants failed: {', '.join(failed)} (their log.txt "
               "says why); the same command skips them, --retry-failed runs them "
               "again", file=sys.stderr)
-    return 1 if failed else 0
+    if busy:
+        print(f"{len(busy)} variants are running in another process: "
+              f"{', '.join(busy)}; left alone (run the same command when they end)",
+              file=sys.stderr)
+    return 1 if failed or busy else 0
 
 
 def _interrupt(signum, frame):
