@@ -170,11 +170,11 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
                                eval_every=200, label_smoothing=0.0),
                    out_dir=tmp_path, progress=False)
     last = [h for h in result.history if "val_nll" in h][-1]
-    assert last["val_nll"] < 0.1
+    assert last["val_nll"] < 0.25        # 20 seeds: 0.004 to 0.091; untrained 3.6 to 4.0, 200 steps 0.47 to 0.62
     held = copy_examples(30, 5)
     src, _ = pad_batch([s for s, _ in held])
     got = greedy_search(model.eval(), src)
-    assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 27
+    assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 18   # 20 seeds: 23 to 30; 200 steps: 9 to 13
 
 
 @pytest.mark.slow

@@ -242,7 +242,8 @@ def test_tiny_model_learns_to_copy():
     result = train(model, task, held_out, TrainConfig(batch_tokens=512, max_steps=300, warmup=50, lr_scale=0.3,
                                                       eval_every=50, label_smoothing=0.0), progress=False)
     evals = [r["val_nll"] for r in result.history if r["kind"] == "eval"]
-    assert evals[0] > 1.0 and min(evals[-2:]) < 0.1, evals            # from guessing to copying
+    # from guessing to copying; over 30 seeds evals[0] was 1.49 to 2.47 and min(evals[-2:]) 0.007 to 0.073
+    assert evals[0] > 1.0 and min(evals[-2:]) < 0.2, evals
     assert result.stopped == "max_steps" and result.step == 300 and result.tokens > 0
     assert result.tokens_per_second > 0 and len(result.history) > 0
 
