@@ -184,21 +184,25 @@ def test_bench_writes_json_file(tmp_path, capsys):
     assert [p.name for p in out.parent.iterdir()] == ["bench.json"]          # no temporary file left behind
 
 
-@pytest.mark.parametrize("where", ["under a file", "deeper under a file", "a directory"])
+@pytest.mark.parametrize("where", ["under a file", "deeper under a file", "a directory", "a run's results"])
 def test_bad_out_is_refused_before_the_benchmark(where, tmp_path, capsys, monkeypatch):
     "A wrong --out fails at once (the benchmark never starts): one line on stderr, exit 2, nothing written."
     a_file = tmp_path / "notes.txt"
     a_file.write_text("keep")
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "results.json").write_text('{"bleu": 40.0}\n')
     out = {"under a file": a_file / "bench.json", "deeper under a file": a_file / "sub" / "bench.json",
-           "a directory": tmp_path}[where]
+           "a directory": tmp_path, "a run's results": tmp_path / "run" / "results.json"}[where]
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: pytest.fail("the benchmark ran"))
     with pytest.raises(SystemExit) as e:
         bench.main(["--out", str(out)])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("python -m transformer bench: error: --out "), err
-    assert ("is a directory" if where == "a directory" else f"{a_file} is a file") in err
-    assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"] and a_file.read_text() == "keep"
+    assert {"a directory": "is a directory", "a run's results": "exists and is not a bench result"}.get(
+        where, f"{a_file} is a file") in err
+    assert (tmp_path / "run" / "results.json").read_text() == '{"bleu": 40.0}\n' 
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run"] and a_file.read_text() == "keep"
 
 
 @pytest.mark.slow
@@ -214,7 +218,8 @@ def test_bad_out_from_the_command_line(tmp_path):
 def test_out_is_written_all_or_nothing(tmp_path, capsys, monkeypatch):
     "A write that fails at the end leaves the old file as it was, no temporary file, and the result on stdout."
     out = tmp_path / "bench.json"
-    out.write_text("old")
+    old = '{"speedup_vs_nn": 1.2}\n'                                    # an earlier result
+    out.write_text(old)
     monkeypatch.setattr(bench, "run_bench", lambda *a, **k: {"speedup_vs_nn": 1.5})
 
     def full_disk(src, dst):
@@ -226,7 +231,7 @@ def test_out_is_written_all_or_nothing(tmp_path, capsys, monkeypatch):
     assert json.loads(captured.out) == {"speedup_vs_nn": 1.5, "command": f"python -m transformer bench --json --out {out}"}
     assert captured.err.count("\n") == 1 and "no space left on the device while saving" in captured.err
     assert "the previous bench.json is intact" in captured.err
-    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"] and out.read_text() == "old"
+    assert [p.name for p in tmp_path.iterdir()] == ["bench.json"] and out.read_text() == old
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -183,6 +183,8 @@ def _broken_runs(tmp_path):
     (tmp_path / "notok").mkdir()
     torch.save({}, tmp_path / "notok" / "last.pt")
     (tmp_path / "afile").write_text("not a directory")
+    (tmp_path / "s.de").write_text("Ein Hund.\n")
+    (tmp_path / "r.en").write_text("A dog.\n")
     (tmp_path / "escape").mkdir()                            # results.json names a file elsewhere
     (tmp_path / "escape" / "results.json").write_text(json.dumps({"checkpoint": "../foreign/best"}))
     (tmp_path / "stub").mkdir()
@@ -233,6 +235,11 @@ BAD = [  # (what, argv, exit code, part of the message)
      "argument --beam: 100000 must be in [1, 64]"),
     ("huge beam (attend)", ["attend", "--model", "TMP/empty", "--beam", "65", "x"], 2,
      "argument --beam: 65 must be in [1, 64]"),
+    ("--output over the source", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/s.de", "--ref-file",
+                                  "TMP/r.en", "--output", "TMP/s.de"], 1,
+     "s.de is also an input of this command; write the output to another file"),
+    ("--output over the run's results", ["evaluate", "--model", "TMP/corrupt", "--output", "TMP/corrupt/results.json"],
+     1, "results.json is inside the run directory"),
     ("checkpoint outside the run", ["translate", "--model", "TMP/escape", "x"], 1,
      "results.json: \"checkpoint\" is '../foreign/best', not one of best, last, averaged; fix the file"),
     ("negative average", ["train", "--average", "-2"], 2, "argument --average: -2 must be >= 0"),
@@ -277,6 +284,14 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, monkeypatch, what, argv, co
     got = run(*[a.replace("TMP", str(tmp_path)) for a in argv])
     assert_one_line_error(*got, code, match)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before, "a refused command left files behind"
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):
+    "Root writes anywhere, so the read-only place is simulated: the error comes before the model loads."
+    _broken_runs(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    got = run("evaluate", "--model", tmp_path / "corrupt", "--output", tmp_path / "out.en")
+    assert_one_line_error(*got, 1, "out.en: not writable here; choose another place")
 
 
 def test_missing_reference_file(trained, tmp_path):

@@ -328,6 +328,14 @@ def _out_problem(path: Path) -> str | None:
     if path.is_dir():
         return (f"{path} is a directory; name a file in it, "
                 f"e.g. --out {path / 'bench.json'}")
+    if path.exists():                  # overwrite an earlier result, never another file
+        try:
+            ours = "speedup_vs_nn" in json.loads(path.read_text())
+        except (OSError, ValueError, TypeError):
+            ours = False
+        if not ours:
+            return (f"{path} exists and is not a bench result (a run's results.json?); "
+                    "bench overwrites only its own files: name a new file")
     # the nearest existing folder
     existing = next(p for p in (path.parent, *path.parent.parents) if p.exists())
     if not existing.is_dir():

@@ -74,15 +74,32 @@ def cmd_translate(args) -> int:
     return 0
 
 
+def _check_output(flag: str, out: str, inputs: list, run_dir) -> None:
+    """Before any work: `out` is a file we can write, in an existing directory, and
+    neither one of the command's inputs nor a file of the run it reads."""
+    path = Path(out).resolve()
+    if Path(out).is_dir() or not path.parent.is_dir():
+        raise CLIError(f"{flag} {out}: name a file in an existing directory")
+    for given in inputs:
+        if given is not None and Path(given).resolve() == path:
+            raise CLIError(f"{flag} {out} is also an input of this command; "
+                           "write the output to another file")
+    if run_dir is not None and path.parent == Path(run_dir).resolve():
+        raise CLIError(f"{flag} {out} is inside the run directory {run_dir}, whose "
+                       "files are the run's own; write the output elsewhere")
+    if not os.access(path if path.exists() else path.parent, os.W_OK):
+        raise CLIError(f"{flag} {out}: not writable here; choose another place")
+
+
 def cmd_evaluate(args) -> int:
     if (args.src_file is None) != (args.ref_file is None):
         raise CLIError("--src-file and --ref-file go together: pass both, or "
                        "neither and --split")
     if args.src_file and args.split:
         raise CLIError("pass either --split or --src-file/--ref-file, not both")
-    if args.output and (Path(args.output).is_dir()
-                        or not Path(args.output).resolve().parent.is_dir()):
-        raise CLIError(f"--output {args.output}: name a file in an existing directory")
+    if args.output:
+        _check_output("--output", args.output, [args.src_file, args.ref_file],
+                      args.model)
     # the files are read before the model loads: a bad one fails at once
     if args.src_file:
         pairs, where = (read_parallel(args.src_file, args.ref_file),
