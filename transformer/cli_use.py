@@ -84,9 +84,9 @@ def _check_output(flag: str, out: str, inputs: list, run_dir) -> None:
         if given is not None and Path(given).resolve() == path:
             raise CLIError(f"{flag} {out} is also an input of this command; "
                            "write the output to another file")
-    if run_dir is not None and path.parent == Path(run_dir).resolve():
-        raise CLIError(f"{flag} {out} is inside the run directory {run_dir}, whose "
-                       "files are the run's own; write the output elsewhere")
+    if path.exists() and run_dir is not None and path.parent == Path(run_dir).resolve():
+        raise CLIError(f"{flag} {out} would overwrite a file of the run directory "
+                       f"{run_dir}; write the output elsewhere")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
         raise CLIError(f"{flag} {out}: not writable here; choose another place")
 
