@@ -192,6 +192,36 @@ def _broken_runs(tmp_path):
     (tmp_path / "stub" / "tokenizer.model").write_bytes(b"x")
     (tmp_path / "halfrun").mkdir()
     torch.save({}, tmp_path / "halfrun" / "last.pt")
+    # issue 28: files that claim to be what they are not
+    from transformer.checkpoints import CHECKPOINT_FORMAT
+    from transformer.model import Transformer, TransformerConfig
+    config = TransformerConfig.preset("tiny", src_vocab=20, tgt_vocab=20)
+    good = {"format": CHECKPOINT_FORMAT, "model_config": config.to_dict(),
+            "model": Transformer(config).state_dict()}
+    edits = {"runstr": {"run": "tokenizer"},                                          # "run" is a string
+             "int8": {"model": {k: v.to(torch.int8) for k, v in good["model"].items()}},
+             "shape": {"model": {**good["model"], "generator.bias": torch.zeros(3)}},
+             "missing": {"model": {k: v for k, v in good["model"].items() if "decoder" not in k}}}
+    for name, edit in edits.items():
+        (tmp_path / name).mkdir()
+        torch.save({**good, **edit}, tmp_path / name / "best.pt")
+        (tmp_path / name / "tokenizer.model").write_bytes(b"x")
+    (tmp_path / "listconfig").mkdir()
+    (tmp_path / "listconfig" / "config.json").write_text("[1, 2]")
+    for name in ("listconfig", "dirckpt", "exported", "evil"):
+        (tmp_path / name).mkdir(exist_ok=True)
+        (tmp_path / name / "tokenizer.model").write_bytes(b"x")
+    (tmp_path / "listconfig" / "best.pt").write_bytes(b"x")
+    (tmp_path / "dirckpt" / "best.pt").mkdir()                                      # a directory named best.pt
+    torch.save(good, tmp_path / "exported" / "best.pt")
+    (tmp_path / "exported" / "results.json").write_text(json.dumps({"weights_sha256": "0" * 64}))
+    torch.save({"format": CHECKPOINT_FORMAT, "model": _Evil()}, tmp_path / "evil" / "best.pt")
+
+
+class _Evil:
+    "A pickle that runs code when it is loaded without weights_only."
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
 
 
 BAD = [  # (what, argv, exit code, part of the message)
@@ -271,6 +301,26 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown norm", ["train", "--norm", "middle"], 2, "argument --norm: invalid choice: 'middle' (choose from 'pre', 'post')"),
     ("--output is a directory", ["evaluate", "--model", "TMP/empty", "--output", "TMP/empty"], 1,
      "empty: name a file in an existing directory"),
+    # issue 28 (3, 4, 7, 9): weights are what they claim; damaged files are one line that keeps the reason
+    ("config.json holds a list", ["translate", "--model", "TMP/listconfig", "x"], 1,
+     "config.json holds a list, not a JSON object"),
+    ("checkpoint's run is a string", ["translate", "--model", "TMP/runstr", "x"], 1,
+     "best.pt: its \"run\" record is a str, not a dictionary"),
+    ("int8 weights", ["translate", "--model", "TMP/int8", "x"], 1,
+     "tensor src_embed.embedding.weight is (20, 64) torch.int8, but the checkpoint's config makes it "
+     "(20, 64) torch.float32"),
+    ("a tensor of another shape", ["translate", "--model", "TMP/shape", "x"], 1,
+     "tensor generator.bias is (3,) torch.float32, but the checkpoint's config makes it (20,) torch.float32"),
+    ("tensors missing", ["translate", "--model", "TMP/missing", "x"], 1, "does not hold this model's tensors: "),
+    ("a directory named best.pt", ["translate", "--model", "TMP/dirckpt", "x"], 1,
+     "best.pt is a directory, not a checkpoint file"),
+    ("exported weights replaced", ["translate", "--model", "TMP/exported", "x"], 1,
+     "best.pt is not the file that was exported (sha256 "),
+    ("last.pt of an exported model", ["translate", "--model", "TMP/exported", "--checkpoint", "last", "x"], 1,
+     "is an exported model: it holds one checkpoint, best.pt, and no last.pt; use --checkpoint best"),
+    ("a pickle that runs code", ["translate", "--model", "TMP/evil", "x"], 1,
+     "refused without running any (torch: Trying to load unsupported GLOBAL posix.system whose module posix is "
+     "blocked.)"),
     ("missing source file, checked before the model", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/no.de",
                                                        "--ref-file", "TMP/no.en"], 1, "no.de: no such file"),
 ]
@@ -281,9 +331,68 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, monkeypatch, what, argv, co
     _broken_runs(tmp_path)
     before = sorted(str(p) for p in tmp_path.rglob("*"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.chdir(tmp_path)
     got = run(*[a.replace("TMP", str(tmp_path)) for a in argv])
     assert_one_line_error(*got, code, match)
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before, "a refused command left files behind"
+
+
+BUGS = [  # (what the command raises, exit code, the last line of stderr, a traceback above it)
+    (TypeError("unsupported operand"), 70, "error: this is a bug in the transformer package, not in your input "
+     "(TypeError); please report it with the traceback above", True),
+    (KeyError("w_q"), 70, "(KeyError); please report it", True),
+    (DataError("val.de.gz: no such file; check the path"), 1, "error: val.de.gz: no such file; check the path", False),
+    (MemoryError(), 1, "error: out of memory (MemoryError); lower --beam, or translate shorter sentences", False),
+    (RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you tried to "
+                  "allocate 5368709120 bytes."), 1, "can't allocate memory: you tried to allocate 5368709120 bytes.); "
+     "lower --beam, or translate shorter sentences", False),
+    (PermissionError(13, "Permission denied", "out.en"), 1, "error: [Errno 13] Permission denied: 'out.en'", False),
+]
+
+
+@pytest.mark.parametrize("raised, code, last, traceback", BUGS, ids=[type(b[0]).__name__ for b in BUGS])
+def test_a_bug_shows_its_traceback_and_a_user_error_one_line(monkeypatch, raised, code, last, traceback):
+    "Issue 28 (10): only user errors, the machine's OSErrors and running out of memory are one line."
+    from transformer import cli_use
+
+    def fail(args):
+        raise raised
+    monkeypatch.setattr(cli_use, "cmd_translate", fail)
+    got, out, err = run("translate", "--model", ROOT / "book" / "model", "Ein Hund.")
+    assert got == code and out == "", err
+    assert err.splitlines()[-1].startswith("error: ") and last in err.splitlines()[-1], err
+    assert ("Traceback (most recent call last)" in err) == traceback, err
+    if not traceback:
+        assert err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("command", ["bench", "sweep"])
+def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
+    "`python -m transformer bench|sweep` go around cli.main (hand-written __main__.py), through the same report."
+    import importlib
+    from transformer.__main__ import main as entry
+    from transformer.checkpoints import RunDirectoryError
+    module = importlib.import_module(f"transformer.{command}")
+    for raised, code in ((AttributeError("'NoneType' object has no attribute 'pid'"), 70),
+                         (RunDirectoryError("runs/a is in use by another run (pid 7)"), 1)):
+        monkeypatch.setattr(module, "main", lambda argv, raised=raised: (_ for _ in ()).throw(raised))
+        assert entry([command, "x"]) == code
+        err = capsys.readouterr().err
+        assert ("Traceback" in err) == (code == 70), err
+        assert err.splitlines()[-1].startswith("error: "), err
+
+
+def test_tampered_shipped_weights_are_refused(tmp_path):
+    "Issue 28 (4): 64 flipped bytes in the middle of book/model/best.pt translated silently to nonsense."
+    model = tmp_path / "model"
+    shutil.copytree(ROOT / "book" / "model", model)
+    data = bytearray((model / "best.pt").read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
+    (model / "best.pt").write_bytes(bytes(data))
+    code, out, err = run("translate", "--model", model, "Ein Hund.")
+    assert_one_line_error(code, out, err, 1, "best.pt is not the file that was exported (sha256 ")
+    assert "recorded in results.json): it is damaged or was replaced" in err
 
 
 def test_an_output_that_cannot_be_written_is_refused_before_any_work(tmp_path, monkeypatch):

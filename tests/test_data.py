@@ -1,9 +1,10 @@
-"""transformer.data: Multi30k lookup order, checksummed download, and every bad input."""
+"""transformer.data: Multi30k lookup order, checksummed download and local files, and every bad input."""
 import gzip
 import hashlib
 import http.server
 import os
 import threading
+import tracemalloc
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def hermetic(tmp_path, monkeypatch):
     "No test reads the real environment or writes the real cache."
     monkeypatch.delenv("TRANSFORMER_DATA", raising=False)
     monkeypatch.delenv("TRANSFORMER_DATA_URL", raising=False)
+    monkeypatch.delenv("TRANSFORMER_DATA_UNVERIFIED", raising=False)
+    monkeypatch.delenv("TRANSFORMER_MAX_TEXT_BYTES", raising=False)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
@@ -60,16 +63,20 @@ def test_dirs_follow_environment(tmp_path, monkeypatch):
     assert cache_dir() == Path.home() / ".cache" / "transformer-book" / "multi30k"
 
 
+# The fake corpora of these tests carry Multi30k's file names, not its checksums: verify=False.
+
 def test_load_from_data_dir_argument(tmp_path):
     write_corpus(tmp_path / "root")
-    assert load_multi30k("de", "en", "val", data_dir=tmp_path / "root", download=False) == list(zip(DE, EN))
-    assert load_multi30k("en", "de", "val", data_dir=tmp_path / "root", download=False) == list(zip(EN, DE))
+    assert load_multi30k("de", "en", "val", data_dir=tmp_path / "root", download=False,
+                         verify=False) == list(zip(DE, EN))
+    assert load_multi30k("en", "de", "val", data_dir=tmp_path / "root", download=False,
+                         verify=False) == list(zip(EN, DE))
 
 
 def test_load_from_environment(tmp_path, monkeypatch):
     write_corpus(tmp_path / "root")
     monkeypatch.setenv("TRANSFORMER_DATA", str(tmp_path / "root"))
-    assert load_multi30k("de", "en", "val", download=False) == list(zip(DE, EN))
+    assert load_multi30k("de", "en", "val", download=False, verify=False) == list(zip(DE, EN))
 
 
 def test_falls_back_to_cache(tmp_path, monkeypatch):
@@ -79,7 +86,7 @@ def test_falls_back_to_cache(tmp_path, monkeypatch):
     cache.mkdir(parents=True)
     (cache / "val.de.gz").write_bytes(gz(DE))
     (cache / "val.en.gz").write_bytes(gz(EN))
-    assert load_multi30k("de", "en", "val", download=False) == list(zip(DE, EN))
+    assert load_multi30k("de", "en", "val", download=False, verify=False) == list(zip(DE, EN))
 
 
 def test_data_dir_wins_over_cache(tmp_path):
@@ -88,7 +95,8 @@ def test_data_dir_wins_over_cache(tmp_path):
     cache.mkdir(parents=True)
     (cache / "val.de.gz").write_bytes(gz(["anders"] * 3))
     (cache / "val.en.gz").write_bytes(gz(["other"] * 3))
-    assert load_multi30k("de", "en", "val", data_dir=tmp_path / "root", download=False) == list(zip(DE, EN))
+    assert load_multi30k("de", "en", "val", data_dir=tmp_path / "root", download=False,
+                         verify=False) == list(zip(DE, EN))
 
 
 def test_missing_without_download_says_where_and_how(tmp_path):
@@ -172,6 +180,8 @@ BAD_INPUTS = [
     ("bad byte in gzipped target", b"a\nb\n", gzip.compress(b"x\n\xff\n"), r"tgt\.txt: line 2 is not valid UTF-8"),
     ("truncated gzip", gzip.compress(NUMBERS)[:len(gzip.compress(NUMBERS)) // 2], b"x\n",
      r"src\.txt: not a valid gzip file"),
+    ("corrupt gzip body", gzip.compress(NUMBERS)[:20] + bytes(200) + gzip.compress(NUMBERS)[220:], b"x\n",
+     r"src\.txt: not a valid gzip file \(Error -3"),
     ("empty files", b"", b"", r"empty corpus: .*src\.txt and .*tgt\.txt"),
     ("only blank lines", b"\n \n", b"\n\n", r"empty corpus"),
     ("gzipped empty file", gzip.compress(b""), gzip.compress(b""), r"empty corpus"),
@@ -317,6 +327,151 @@ def test_load_reports_a_failed_download(tmp_path, server):
     url, _ = server
     with pytest.raises(DataError, match=r"val\.de\.gz not found in .*downloading it failed: could not download"):
         load_multi30k("de", "en", "val", data_dir=tmp_path, base_url=url, progress=False)
+
+
+# --- size limit: a gzip bomb or a huge file stops with DataError, not MemoryError ----------------
+
+def bomb(mib: int) -> bytes:
+    "`mib` gzip members of 1 MiB of zeros each: about 1 KB a member, read as one stream of zeros."
+    return gzip.compress(bytes(2**20)) * mib
+
+
+SIZE_CASES = [
+    # name, file content, limit, pattern of the message
+    ("gzip bomb", bomb(64), 2**20,
+     r"src: decompresses to more than 1,048,576 bytes, the limit .*TRANSFORMER_MAX_TEXT_BYTES"),
+    ("gzip just over", gzip.compress(b"a\n" * 6), 11, r"decompresses to more than 11 bytes"),
+    ("plain over", b"a\n" * 6, 11,
+     r"src: 12 bytes, more than 11 bytes, the limit for a text file; .*TRANSFORMER_MAX_TEXT_BYTES"),
+]
+
+
+@pytest.mark.parametrize("name, content, limit, match", SIZE_CASES, ids=[c[0] for c in SIZE_CASES])
+def test_text_over_the_limit_is_refused(tmp_path, monkeypatch, name, content, limit, match):
+    monkeypatch.setenv("TRANSFORMER_MAX_TEXT_BYTES", str(limit))
+    (tmp_path / "src").write_bytes(content)
+    (tmp_path / "tgt").write_bytes(b"x\n" * 6)
+    with pytest.raises(DataError, match=match):
+        read_parallel(tmp_path / "src", tmp_path / "tgt")
+
+
+def test_a_gzip_bomb_stops_in_little_memory(tmp_path, monkeypatch):
+    "Decompressed a chunk at a time: the 64 MiB of text never sit in memory at once."
+    monkeypatch.setenv("TRANSFORMER_MAX_TEXT_BYTES", str(2**20))
+    (tmp_path / "bomb").write_bytes(bomb(64))
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match="decompresses to more than 1,048,576 bytes"):
+            read_parallel(tmp_path / "bomb", tmp_path / "bomb")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * 2**20
+
+
+@pytest.mark.parametrize("content", [b"a\n" * 6, gzip.compress(b"a\n" * 6)], ids=["plain", "gzip"])
+def test_text_at_the_limit_is_read(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("TRANSFORMER_MAX_TEXT_BYTES", "12")
+    for name in ("s", "t"):
+        (tmp_path / name).write_bytes(content)
+    assert read_parallel(tmp_path / "s", tmp_path / "t") == [("a", "a")] * 6
+
+
+def test_the_default_limit_is_generous(monkeypatch):
+    assert data._max_text_bytes() == data.MAX_TEXT_BYTES == 2 * 2**30
+    monkeypatch.setenv("TRANSFORMER_MAX_TEXT_BYTES", "")  # empty: as if unset
+    assert data._max_text_bytes() == data.MAX_TEXT_BYTES
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "2G", "1e9", "\u0662"])
+def test_bad_limit_variable(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("TRANSFORMER_MAX_TEXT_BYTES", value)
+    (tmp_path / "s").write_bytes(b"a\n")
+    with pytest.raises(ValueError, match=r"TRANSFORMER_MAX_TEXT_BYTES=.* is not a positive whole number of bytes"):
+        read_parallel(tmp_path / "s", tmp_path / "s")
+
+
+# --- local Multi30k files are checked against the original's checksum ---------------------------
+
+def copy_val(tmp_path, de: bytes | None = None) -> Path:
+    "A data directory with the real val.en.gz and val.de.gz (or `de` in its place); returns it."
+    d = tmp_path / "copy" / "multi30k"
+    d.mkdir(parents=True)
+    for lang in ("de", "en"):
+        (d / f"val.{lang}.gz").write_bytes((real_multi30k() / f"val.{lang}.gz").read_bytes())
+    if de is not None:
+        (d / "val.de.gz").write_bytes(de)
+    return d.parent
+
+
+def shifted_val_de() -> bytes:
+    "val.de.gz with its first line moved to the end: as many lines as val.en.gz, every pair wrong."
+    lines = gzip.decompress((real_multi30k() / "val.de.gz").read_bytes()).split(b"\n")[:-1]
+    return gzip.compress(b"\n".join(lines[1:] + lines[:1]) + b"\n")
+
+
+def test_an_unmodified_copy_loads(tmp_path):
+    assert len(load_multi30k("de", "en", "val", data_dir=copy_val(tmp_path), download=False)) == 1014
+
+
+def test_a_shifted_file_is_refused(tmp_path):
+    root = copy_val(tmp_path, shifted_val_de())
+    with pytest.raises(DataError) as e:
+        load_multi30k("de", "en", "val", data_dir=root, download=False)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"{root / 'multi30k' / 'val.de.gz'} differs from the original Multi30k file")
+    got = hashlib.sha256((root / "multi30k" / "val.de.gz").read_bytes()).hexdigest()
+    assert f"sha256 {got[:12]}..., expected {SHA256['val.de.gz'][:12]}..." in msg
+    assert "delete it so it downloads again" in msg and f"{data.BASE_URL}/val.de.gz" in msg
+    assert "set TRANSFORMER_DATA_UNVERIFIED=1 (or pass --unverified-data" in msg and "verify=False" in msg
+
+
+def test_a_modified_file_in_the_cache_is_refused(tmp_path):
+    cache = cache_dir()
+    cache.mkdir(parents=True)
+    (cache / "val.de.gz").write_bytes(shifted_val_de())
+    (cache / "val.en.gz").write_bytes((real_multi30k() / "val.en.gz").read_bytes())
+    with pytest.raises(DataError, match=rf"{cache / 'val.de.gz'} differs from the original"):
+        load_multi30k("de", "en", "val", data_dir=tmp_path / "nothing", download=False)
+
+
+@pytest.mark.parametrize("how", ["verify=False", "TRANSFORMER_DATA_UNVERIFIED=1", "TRANSFORMER_DATA_UNVERIFIED=yes"])
+def test_a_modified_file_loads_when_asked(tmp_path, monkeypatch, how):
+    root = copy_val(tmp_path, shifted_val_de())
+    kwargs = {}
+    if how == "verify=False":
+        kwargs["verify"] = False
+    else:
+        monkeypatch.setenv(*how.split("="))
+    pairs = load_multi30k("de", "en", "val", data_dir=root, download=False, **kwargs)
+    real = load_multi30k("de", "en", "val", data_dir=real_multi30k().parent, download=False)
+    assert pairs[:2] == [(real[1][0], real[0][1]), (real[2][0], real[1][1])]  # what it would train on
+
+
+@pytest.mark.parametrize("value", ["", "0"])
+def test_the_variable_set_to_empty_or_0_keeps_the_check(tmp_path, monkeypatch, value):
+    monkeypatch.setenv("TRANSFORMER_DATA_UNVERIFIED", value)
+    with pytest.raises(DataError, match="differs from the original"):
+        load_multi30k("de", "en", "val", data_dir=copy_val(tmp_path, shifted_val_de()), download=False)
+
+
+def test_each_file_is_hashed_once_until_it_changes(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(data, "sha256_file", lambda p: calls.append(Path(p).name) or hashlib.sha256(
+        Path(p).read_bytes()).hexdigest())
+    monkeypatch.setattr(data, "_local_sha256", {})
+    root = copy_val(tmp_path)
+    for _ in range(3):
+        load_multi30k("de", "en", "val", data_dir=root, download=False)
+        load_multi30k("en", "de", "val", data_dir=root, download=False)
+    assert sorted(calls) == ["val.de.gz", "val.en.gz"]
+    path = root / "multi30k" / "val.de.gz"
+    path.write_bytes(shifted_val_de())
+    os.utime(path, ns=(1, 1))  # a new modification time even on a file system with coarse ones
+    with pytest.raises(DataError, match="val.de.gz differs from the original"):
+        load_multi30k("de", "en", "val", data_dir=root, download=False)
+    assert sorted(calls) == ["val.de.gz", "val.de.gz", "val.en.gz"]
 
 
 # --- the real corpus (needs $TRANSFORMER_DATA) --------------------------------------------------

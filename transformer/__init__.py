@@ -6,7 +6,7 @@ each name from the chapter that builds it. Figures live in `transformer.viz` (im
 """
 __version__ = "0.1.0"
 
-from .data import DataError, load_multi30k, read_parallel                           # 01 the corpus
+from .data import DataError, UserError, load_multi30k, read_parallel                # 01 the corpus; every error a user can fix
 from .tokens import BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch, token_batches  # 01 tokens
 from .attention import attention, scaled_dot_product_attention                      # 02, 03
 from .heads import MultiHeadAttention                                                # 04

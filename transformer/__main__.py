@@ -6,20 +6,21 @@ here because cli.py must not import a later section.
 """
 import sys
 
-from transformer.cli import main as _cli_main
+from transformer.cli import main as _cli_main, report
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"]:
-        from transformer.bench import main as bench_main
-
-        return bench_main(argv[1:])
-    if argv[:1] == ["sweep"]:
-        from transformer.sweep import main as sweep_main
-
-        return sweep_main(argv[1:])
-    return _cli_main(argv)
+    if argv[:1] not in (["bench"], ["sweep"]):
+        return _cli_main(argv)
+    try:
+        if argv[0] == "bench":
+            from transformer.bench import main as command
+        else:
+            from transformer.sweep import main as command
+        return command(argv[1:])
+    except Exception as e:  # as cli.main: a user error in one line, a bug with its traceback
+        return report(e, argv[0])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import tempfile
+import textwrap
 import warnings
 import zipfile
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ try:
 except ImportError:                 # Windows: run directories are not locked there
     fcntl = None
 
+from .data import UserError
 from .model import Transformer, TransformerConfig
 
 # %% auto #0
@@ -33,7 +35,7 @@ __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     "A checkpoint file is missing, unreadable, or not a checkpoint of this package."
 
 
@@ -49,7 +51,7 @@ def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in _unwrapped(module).state_dict().items()}
 
 
-class SaveError(OSError):
+class SaveError(UserError, OSError):
     """A file could not be written (disk full, no permission); the previous version of
     it is intact."""
 
@@ -134,6 +136,9 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     """Read a checkpoint with `weights_only=True`; `CheckpointError` for anything that
     is not ours."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file; name a "
+                              ".pt file (a run directory holds best.pt and last.pt)")
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
@@ -145,15 +150,25 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     except Exception as e:  # torch raises many types for foreign or damaged files
         lines = ([l.strip() for l in str(e).splitlines() if l.strip()]
                  or [type(e).__name__])
-        reason = next((l.split("error:", 1)[1].split(". Please")[0].strip()
-                       for l in lines if "WeightsUnpickler error:" in l), lines[0])
+        if lines[0].startswith("Weights only load failed"):  # pickled code, not tensors
+            why = next((l.split("WeightsUnpickler error:")[-1] for l in lines
+                        if "WeightsUnpickler error:" in l or "GLOBAL" in l), lines[-1])
+            raise CheckpointError(
+                f"{path} is not a readable checkpoint: it holds Python objects that "
+                "only running their code could rebuild, and it was refused without "
+                f"running any (torch: {_shorten(why)})") from None
         raise CheckpointError(f"{path} is not a readable checkpoint "
-                              f"({reason[:160]})") from None
+                              f"({_shorten(lines[0])})") from None
     if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
         keys = sorted(state)[:6] if isinstance(state, dict) else type(state).__name__
         raise CheckpointError(f"{path} is not a checkpoint of this package (format "
                               f"{CHECKPOINT_FORMAT!r} expected; found {keys})")
     return state
+
+
+def _shorten(text: str, width: int = 200) -> str:
+    "`text` on one line, cut at a word if it is longer than `width`."
+    return textwrap.shorten(text, width, placeholder=" …")
 
 
 def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -190,6 +205,30 @@ def model_bytes(config: TransformerConfig) -> int:
     return 4 * (layers + tables)
 
 
+def _check_tensors(weights: dict, model: nn.Module, name: str) -> None:
+    """The checkpoint's tensors are the model's: the same names and shapes, floating
+    point where the model's are (float16 and bfloat16 too: exported weights), else the
+    same dtype. `load_state_dict` would cast int8 weights silently."""
+    want = model.state_dict()
+    gaps = [(what, sorted(keys)) for what, keys in
+            (("missing", want.keys() - weights.keys()),
+             ("unexpected", weights.keys() - want.keys())) if keys]
+    if gaps:
+        raise CheckpointError(f"{name} does not hold this model's tensors: " + "; ".join(
+            f"{len(keys)} {what} ({', '.join(keys[:3])}{', …' if len(keys) > 3 else ''})"
+            for what, keys in gaps))
+    for key, w in want.items():
+        v = weights[key]
+        if not (torch.is_tensor(v) and v.shape == w.shape
+                and (v.is_floating_point() and w.is_floating_point()
+                     or v.dtype == w.dtype)):
+            got = (f"{tuple(v.shape)} {v.dtype}" if torch.is_tensor(v)
+                   else type(v).__name__)
+            raise CheckpointError(
+                f"{name}: tensor {key} is {got}, but the checkpoint's config makes it "
+                f"{tuple(w.shape)} {w.dtype}; the file is damaged or was edited")
+
+
 def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                           name: str | None = None) -> Transformer:
     """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights
@@ -223,17 +262,18 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
         else:  # chapter 19.1's decoder-only models, imported only when one is loaded
             from transformer.gpt import DecoderOnly
             model = DecoderOnly(config)
+        _check_tensors(weights, model, name)
         model.load_state_dict(weights)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
         raise CheckpointError(f"{name} does not describe a model this package can "
                               "build: "
-                              f"{str(e).splitlines()[0][:200]}") from None
+                              f"{_shorten(' '.join(str(e).split()))}") from None
     return model.to(device).eval()
 
 # %% ../book/e_checkpoints.ipynb #e007
-class RunDirectoryError(ValueError):
+class RunDirectoryError(UserError, ValueError):
     "A run directory is in use by another process, or holds the files of another run."
 
 
@@ -288,7 +328,7 @@ def run_lock(out_dir: str | os.PathLike):
         os.close(fd)
 
 # %% ../book/e_checkpoints.ipynb #e009
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """Training cannot go on (the loss became NaN, a metrics file is damaged); the last
     good checkpoint is intact."""
 

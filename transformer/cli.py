@@ -8,20 +8,20 @@ import json
 import os
 import platform
 import sys
+import traceback
 import warnings
 from pathlib import Path
 
 import torch
 
-from .data import LANGS, SPLITS, DataError, sha256_file
+from .data import LANGS, SPLITS, UserError, sha256_file
 from .tokens import Tokenizer
 from .model import ARCHS, POSITIONS, PRESETS, Transformer
-from .checkpoints import (CheckpointError, TrainingError, atomic_write,
-                                     load_checkpoint, model_from_checkpoint)
+from .checkpoints import atomic_write, load_checkpoint, model_from_checkpoint
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CHECKPOINTS', 'CLIError', 'build_parser',
-           'load_run', 'Terminated', 'main']
+           'load_run', 'Terminated', 'report', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -31,8 +31,8 @@ VOCAB_SIZE = 8000
 TRAIN_ALPHAS = (0.6, 1.0)
 
 
-class CLIError(Exception):
-    "A wrong input: reported as one line on stderr, and the process exits with `code`."
+class CLIError(UserError):
+    "A wrong input on the command line: reported as one line, exit code `code`."
 
     def __init__(self, message: str, code: int = 1):
         super().__init__(message)
@@ -354,7 +354,7 @@ def _chosen(run_dir: Path) -> str:
     try:
         chosen = json.loads((run_dir / "results.json").read_text()).get(
             "checkpoint", "best")
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not UTF-8
         return "best"
     if chosen not in CHECKPOINTS:
         raise CLIError(f"{run_dir / 'results.json'}: \"checkpoint\" is {chosen!r}, not one of "
@@ -368,7 +368,7 @@ def _run_alpha(run_dir: Path) -> float:
     try:
         results = json.loads((Path(run_dir) / "results.json").read_text())
         alpha = results.get("alpha", results.get("source_results", {}).get("alpha"))
-    except (OSError, json.JSONDecodeError, AttributeError):
+    except (OSError, ValueError, AttributeError):
         return 0.6
     return float(alpha) if isinstance(alpha, (int, float)) else 0.6
 
@@ -376,7 +376,11 @@ def _run_alpha(run_dir: Path) -> float:
 def _check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
     ("The checkpoint records the sha256 of the tokenizer it was trained with; refuse "
      "another one.")
-    want = state.get("run", {}).get("tokenizer_sha256")
+    run = state.get("run", {})
+    if not isinstance(run, dict):
+        raise CLIError(f"{checkpoint}: its \"run\" record is a {type(run).__name__}, "
+                       "not a dictionary; the file is damaged or was edited")
+    want = run.get("tokenizer_sha256")
     if want is not None and sha256_file(tok_path) != want:
         raise CLIError(f"{tok_path} is not the tokenizer {checkpoint} was trained "
                        f"with (sha256 {sha256_file(tok_path)[:12]}… vs "
@@ -385,12 +389,24 @@ def _check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
                        "back its own tokenizer.model")
 
 
+def _exported_sha256(run_dir: Path) -> str | None:
+    """The sha256 that `export` recorded for the weights of a model directory (None for a
+    training run's directory)."""
+    try:
+        results = json.loads((run_dir / "results.json").read_text())
+    except (OSError, ValueError):
+        return None
+    want = results.get("weights_sha256") if isinstance(results, dict) else None
+    return want if isinstance(want, str) else None
+
+
 def load_run(run_dir: str | os.PathLike, which: str = "chosen",
              device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
     """The model (eval mode), tokenizer and config.json of a run directory written by
     `train`. `which`: best, last, averaged, or chosen (the one train picked on val;
     best.pt when it says nothing, or when the file it picked is gone). The checkpoint
-    must have been trained with this tokenizer.model (its sha256)."""
+    must have been trained with this tokenizer.model (its sha256), and an exported
+    model's weights must be the file export wrote (the sha256 in its results.json)."""
     run_dir = Path(run_dir)
     if which not in ("chosen", *CHECKPOINTS):
         raise CLIError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
@@ -403,6 +419,11 @@ def load_run(run_dir: str | os.PathLike, which: str = "chosen",
                   "missing; using best.pt",
                   file=sys.stderr)
             which = "best"
+    exported = _exported_sha256(run_dir)
+    if exported and which not in ("chosen", "best"):
+        raise CLIError(f"--model {run_dir} is an exported model: it holds one "
+                       f"checkpoint, best.pt, and no {which}.pt; use --checkpoint best "
+                       "(or leave --checkpoint out)")
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
         raise CLIError(f"--model {run_dir} holds no averaged.pt (train --average N "
                        "writes it); use --checkpoint best (best.pt) or "
@@ -423,6 +444,14 @@ def load_run(run_dir: str | os.PathLike, which: str = "chosen",
                   if (run_dir / "config.json").exists() else {})
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CLIError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CLIError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, not "
+                       "a JSON object; the file is damaged: copy the run directory again")
+    if exported and sha256_file(path) != exported:
+        raise CLIError(f"{path} is not the file that was exported (sha256 "
+                       f"{sha256_file(path)[:12]}… vs {exported[:12]}… recorded in "
+                       "results.json): it is damaged or was replaced; export it again, "
+                       "or restore it (git checkout, for the book's model)")
     state = load_checkpoint(path)
     _check_tokenizer(state, path, tok_path)
     model = model_from_checkpoint(state, device, name=str(path))
@@ -455,6 +484,40 @@ def _run(args) -> int:
     return commands[args.command](args)
 
 
+# what to lower when a command runs out of memory
+_LOWER = {"train": "--batch-tokens (or choose a smaller --preset)",
+          "translate": "--beam, or translate shorter sentences",
+          "evaluate": "--beam (or score fewer sentences with --limit)",
+          "attend": "--beam, or draw a shorter sentence",
+          "export": "nothing: export needs memory for the model only; free some memory"}
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    return isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
+
+
+def report(e: BaseException, command: str | None = None) -> int:
+    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or
+    running out of memory as one line on stderr; anything else as a bug, with its
+    traceback."""
+    if isinstance(e, UserError):
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return e.code
+    if _out_of_memory(e):
+        print(f"error: out of memory ({_one_line(e)[:120]}); lower "
+              f"{_LOWER.get(command, 'the batch or the input size')}", file=sys.stderr)
+        return 1
+    if isinstance(e, OSError):     # the machine's answer: a permission, a full disk
+        print(f"error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    traceback.print_exception(e)
+    print(f"error: this is a bug in the transformer package, not in your input "
+          f"({type(e).__name__}); please report it with the traceback above",
+          file=sys.stderr)
+    return 70
+
+
 def main(argv: list[str] | None = None) -> int:
     "Run `python -m transformer <command> ...`; returns the exit code."
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -468,21 +531,14 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
-    except CLIError as e:
-        if debug:
-            raise
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return e.code
-    except (DataError, CheckpointError, TrainingError, ValueError, TypeError,
-            OSError) as e:
-        if debug:
-            raise
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 1
     # before the training loop, or a second signal inside it
     except KeyboardInterrupt as e:
         name, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
         print(f"error: interrupted ({name})", file=sys.stderr)
         return code
+    except Exception as e:
+        if debug:
+            raise
+        return report(e, argv[0] if argv else None)
     finally:
         warnings.showwarning = show

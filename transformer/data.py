@@ -10,6 +10,7 @@ import tempfile
 import urllib.error
 import urllib.request
 import warnings
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -31,12 +32,20 @@ SHA256 = {  # of the raw files in github.com/multi30k/dataset, data/task1/raw/
 }
 
 
-class DataError(ValueError):
+class UserError(Exception):
+    """A mistake the user can fix (a wrong flag, a missing or damaged file, a busy run
+    directory): the command line prints its message as one line and exits with `code`
+    (appendix C). The package's other errors derive from it; it is defined here, in the
+    first module that raises one, so that every layer can import it."""
+    code = 1
+
+
+class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k',
-           'read_parallel', 'load_multi30k']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir',
+           'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -143,24 +152,65 @@ def download_multi30k(splits: str | Iterable[str] = SPLITS,
     return dest
 
 # %% ../book/a_data.ipynb #fa173145
+# Multi30k's largest file holds 2.1 MB of text, one side of WMT14 en-de (4.5M pairs) under 1 GB.
+# As Python strings a file takes about three times its size, so 2 GiB of text is ~6 GB of
+# memory: past that, the file is hostile or broken (a gzip bomb), or wants a streaming reader.
+MAX_TEXT_BYTES = 2 * 2**30
+
+
+def _max_text_bytes() -> int:
+    "`MAX_TEXT_BYTES`, or `$TRANSFORMER_MAX_TEXT_BYTES` when set (not empty)."
+    value = os.environ.get("TRANSFORMER_MAX_TEXT_BYTES")
+    if not value:
+        return MAX_TEXT_BYTES
+    if not (value.isascii() and value.isdigit() and int(value) > 0):
+        raise ValueError(f"TRANSFORMER_MAX_TEXT_BYTES={value!r} is not a positive whole "
+                         f"number of bytes, e.g. {MAX_TEXT_BYTES}")
+    return int(value)
+
+
+def _too_big(path: Path, what: str, limit: int) -> DataError:
+    return DataError(f"{path}: {what} more than {limit:,} bytes, the limit for a text file; "
+                     "if the file is genuine, set TRANSFORMER_MAX_TEXT_BYTES to a larger "
+                     "number of bytes")
+
+
+def _gunzip(path: Path, limit: int) -> bytes:
+    "A gzip file's bytes, decompressed a chunk at a time so that a gzip bomb stops at `limit`."
+    chunks, size = [], 0
+    try:
+        with gzip.open(path) as f:
+            while chunk := f.read(1 << 20):
+                size += len(chunk)
+                if size > limit:
+                    raise _too_big(path, "decompresses to", limit)
+                chunks.append(chunk)
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a valid gzip file ({e}); download or "
+                        "copy it again") from e
+    return b"".join(chunks)
+
+
 def _read_lines(path: Path) -> list[str]:
     ("The lines of a gzipped or plain UTF-8 text file, stripped; `DataError` on "
      "anything else.")
     if not path.is_file():
         raise DataError(f"{path}: no such file; check the path")
-    raw = path.read_bytes()
+    limit = _max_text_bytes()
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number
     # named gzip, but without gzip's magic number
-    if path.suffix == ".gz" and raw[:2] != b"\x1f\x8b":
+    if path.suffix == ".gz" and not gzipped:
         raise DataError(f"{path}: not a gzip file (its name ends in .gz but it "
                         "does not start with gzip's bytes 1f 8b); download or "
                         "copy it again, or give a plain text file a name without "
                         ".gz")
-    if raw[:2] == b"\x1f\x8b":  # gzip magic number
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise DataError(f"{path}: not a valid gzip file ({e}); download or "
-                            "copy it again") from e
+    if gzipped:
+        raw = _gunzip(path, limit)
+    elif (size := path.stat().st_size) > limit:  # refused before it is read whole
+        raise _too_big(path, f"{size:,} bytes,", limit)
+    else:
+        raw = path.read_bytes()
     lines = raw.split(b"\n")
     # a final newline ends the last line, it does not start a new one
     if lines[-1] == b"":
@@ -203,6 +253,27 @@ def read_parallel(src_path: str | os.PathLike,
     return pairs
 
 # %% ../book/a_data.ipynb #452cce15
+_local_sha256: dict[tuple, str] = {}  # (resolved path, size, mtime_ns) -> sha256, hashed once
+
+
+def _check_original(path: Path) -> None:
+    "`DataError` unless a Multi30k file found locally has the original's SHA-256 sum."
+    want = SHA256.get(path.name)
+    if want is None:
+        return
+    st = path.stat()
+    key = (path.resolve(), st.st_size, st.st_mtime_ns)
+    if key not in _local_sha256:
+        _local_sha256[key] = sha256_file(path)
+    if (got := _local_sha256[key]) != want:
+        raise DataError(
+            f"{path} differs from the original Multi30k file (sha256 {got[:12]}..., "
+            f"expected {want[:12]}...). To restore it, delete it so it downloads again, "
+            f"or copy the original from {BASE_URL}/{path.name}. To use a deliberately "
+            "modified corpus, set TRANSFORMER_DATA_UNVERIFIED=1 (or pass --unverified-data; "
+            "in Python, verify=False)")
+
+
 def _find(name: str, data_dir) -> Path | None:
     # ordered, no duplicates
     for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]):
@@ -213,23 +284,28 @@ def _find(name: str, data_dir) -> Path | None:
 
 def load_multi30k(src_lang: str = "de", tgt_lang: str = "en", split: str = "train", *,
                   data_dir: str | os.PathLike | None = None, download: bool = True,
-                  base_url: str | None = None,
-                  progress: bool = True) -> list[tuple[str, str]]:
+                  base_url: str | None = None, progress: bool = True,
+                  verify: bool = True) -> list[tuple[str, str]]:
     """Multi30k `(source, target)` sentence pairs for two of `LANGS` and one of
     `SPLITS`.
 
     Looks in `multi30k_dir(data_dir)`, then `cache_dir()`; downloads missing files into
-    the cache when `download` is true (checksums verified)."""
+    the cache when `download` is true (checksums verified). A file found locally must
+    match the original's checksum in `SHA256` too, unless `verify` is false or
+    `$TRANSFORMER_DATA_UNVERIFIED` is set (to anything but 0)."""
     _check_choice("src_lang", src_lang, LANGS)
     _check_choice("tgt_lang", tgt_lang, LANGS)
     _check_choice("split", split, SPLITS)
     if src_lang == tgt_lang:
         raise ValueError(f"src_lang and tgt_lang are both {src_lang!r}; pick two "
                          "different languages")
+    verify = verify and os.environ.get("TRANSFORMER_DATA_UNVERIFIED", "") in ("", "0")
     paths = []
     for lang in (src_lang, tgt_lang):
         name = _file_name(split, lang)
         path = _find(name, data_dir)
+        if path is not None and verify:
+            _check_original(path)
         if path is None:
             where = " and ".join(
                 str(d) for d in dict.fromkeys([multi30k_dir(data_dir), cache_dir()]))
