@@ -321,6 +321,8 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("a pickle that runs code", ["translate", "--model", "TMP/evil", "x"], 1,
      "refused without running any (torch: Trying to load unsupported GLOBAL posix.system whose module posix is "
      "blocked.)"),
+    ("a directory as the source file", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/empty", "--ref-file",
+                                        "TMP/r.en"], 1, "empty: a directory, not a file; name a file in it"),
     ("missing source file, checked before the model", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/no.de",
                                                        "--ref-file", "TMP/no.en"], 1, "no.de: no such file"),
 ]

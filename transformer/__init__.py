@@ -16,3 +16,4 @@ from .masking import causal_mask, decoder_mask, padding_mask, teacher_forcing   
 from .model import PRESETS, Transformer, TransformerConfig                          # 07
 from .training import TrainConfig                                                   # 08
 from .loop import TrainResult, train                                                # 08.1
+from .trained import TrainedModel, load                                             # E.1 a trained model

@@ -103,6 +103,13 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _unverified_flag(parser) -> None:
+    parser.add_argument("--unverified-data", action="store_true",
+                        help="use Multi30k files that differ from the originals (their "
+                             "sha256 is checked otherwise): a corpus you changed on "
+                             "purpose")
+
+
 def _decoding_flags(parser) -> None:
     "--beam and --alpha, for train's final evaluation and for translate/evaluate."
     parser.add_argument("--beam", type=BEAM, default=4,
@@ -131,6 +138,7 @@ def _train_parser(sub) -> None:
                         "then the cache)")
     t.add_argument("--no-download", action="store_true",
                    help="fail instead of downloading missing data")
+    _unverified_flag(t)
     t.add_argument("--out", metavar="DIR",
                    help="run directory (default: runs/<preset>-<src>-<tgt>); one "
                         "run at a time: it is locked while the run goes on")
@@ -250,6 +258,7 @@ def _inference_parsers(sub) -> None:
                            help="reference translations, one per line")
             c.add_argument("--data", metavar="DIR")
             c.add_argument("--no-download", action="store_true")
+            _unverified_flag(c)
             c.add_argument("--limit", type=_positive(int), metavar="N",
                            help="score only the first N sentences")
             c.add_argument("--json", action="store_true", help="print one JSON object")

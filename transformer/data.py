@@ -195,7 +195,8 @@ def _read_lines(path: Path) -> list[str]:
     ("The lines of a gzipped or plain UTF-8 text file, stripped; `DataError` on "
      "anything else.")
     if not path.is_file():
-        raise DataError(f"{path}: no such file; check the path")
+        raise DataError(f"{path}: " + ("a directory, not a file; name a file in it"
+                                       if path.is_dir() else "no such file; check the path"))
     limit = _max_text_bytes()
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number
