@@ -14,14 +14,17 @@ from pathlib import Path
 
 import torch
 
-from .data import LANGS, SPLITS, UserError, sha256_file
+from .data import LANGS, SPLITS, UserError
 from .tokens import Tokenizer
 from .model import ARCHS, POSITIONS, PRESETS, Transformer
-from .checkpoints import atomic_write, load_checkpoint, model_from_checkpoint
+from .checkpoints import atomic_write
+# what C.1 and C.2 import from here until they import E.1 themselves
+from .trained import (check_tokenizer as _check_tokenizer,
+                                 chosen_checkpoint as _chosen, load, run_alpha as _run_alpha)
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CHECKPOINTS', 'CLIError', 'build_parser',
-           'load_run', 'Terminated', 'report', 'main']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'load_run',
+           'Terminated', 'report', 'main']
 
 # %% ../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -354,122 +357,12 @@ def _write_json(path: Path, obj) -> None:
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
 
 
-CHECKPOINTS = ("best", "last", "averaged")   # the weights a run directory may hold: NAME.pt
-
-
-def _chosen(run_dir: Path) -> str:
-    """The checkpoint `train` picked on val (results.json's `checkpoint`), else best. Only
-    one of CHECKPOINTS: a name read from a file never leads outside the run directory."""
-    try:
-        chosen = json.loads((run_dir / "results.json").read_text()).get(
-            "checkpoint", "best")
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not UTF-8
-        return "best"
-    if chosen not in CHECKPOINTS:
-        raise CLIError(f"{run_dir / 'results.json'}: \"checkpoint\" is {chosen!r}, not one of "
-                       f"{', '.join(CHECKPOINTS)}; fix the file or pass --checkpoint best")
-    return chosen
-
-
-def _run_alpha(run_dir: Path) -> float:
-    """The length penalty `train` chose on val for this run (results.json's `alpha`, or
-    the source run's for an exported model), else the paper's 0.6."""
-    try:
-        results = json.loads((Path(run_dir) / "results.json").read_text())
-        alpha = results.get("alpha", results.get("source_results", {}).get("alpha"))
-    except (OSError, ValueError, AttributeError):
-        return 0.6
-    return float(alpha) if isinstance(alpha, (int, float)) else 0.6
-
-
-def _check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
-    ("The checkpoint records the sha256 of the tokenizer it was trained with; refuse "
-     "another one.")
-    run = state.get("run", {})
-    if not isinstance(run, dict):
-        raise CLIError(f"{checkpoint}: its \"run\" record is a {type(run).__name__}, "
-                       "not a dictionary; the file is damaged or was edited")
-    want = run.get("tokenizer_sha256")
-    if want is not None and sha256_file(tok_path) != want:
-        raise CLIError(f"{tok_path} is not the tokenizer {checkpoint} was trained "
-                       f"with (sha256 {sha256_file(tok_path)[:12]}… vs "
-                       f"{want[:12]}… recorded in the checkpoint): the files come "
-                       "from different runs; copy the whole run directory, or put "
-                       "back its own tokenizer.model")
-
-
-def _exported_sha256(run_dir: Path) -> str | None:
-    """The sha256 that `export` recorded for the weights of a model directory (None for a
-    training run's directory)."""
-    try:
-        results = json.loads((run_dir / "results.json").read_text())
-    except (OSError, ValueError):
-        return None
-    want = results.get("weights_sha256") if isinstance(results, dict) else None
-    return want if isinstance(want, str) else None
-
-
 def load_run(run_dir: str | os.PathLike, which: str = "chosen",
              device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """The model (eval mode), tokenizer and config.json of a run directory written by
-    `train`. `which`: best, last, averaged, or chosen (the one train picked on val;
-    best.pt when it says nothing, or when the file it picked is gone). The checkpoint
-    must have been trained with this tokenizer.model (its sha256), and an exported
-    model's weights must be the file export wrote (the sha256 in its results.json)."""
-    run_dir = Path(run_dir)
-    if which not in ("chosen", *CHECKPOINTS):
-        raise CLIError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
-    if not run_dir.is_dir():
-        raise CLIError(f"--model {run_dir}: no such directory")
-    if which == "chosen":
-        which = _chosen(run_dir)
-        if not (run_dir / f"{which}.pt").exists() and which != "best":
-            print(f"warning: {run_dir / 'results.json'} chose {which}.pt, which is "
-                  "missing; using best.pt",
-                  file=sys.stderr)
-            which = "best"
-    exported = _exported_sha256(run_dir)
-    if exported and which not in ("chosen", "best"):
-        raise CLIError(f"--model {run_dir} is an exported model: it holds one "
-                       f"checkpoint, best.pt, and no {which}.pt; use --checkpoint best "
-                       "(or leave --checkpoint out)")
-    if which == "averaged" and not (run_dir / "averaged.pt").exists():
-        raise CLIError(f"--model {run_dir} holds no averaged.pt (train --average N "
-                       "writes it); use --checkpoint best (best.pt) or "
-                       "--checkpoint last (last.pt)")
-    path = run_dir / f"{which}.pt"
-    if which == "best" and not path.exists():
-        path = run_dir / "last.pt"
-    if not path.exists():
-        raise CLIError(f"--model {run_dir} holds no model (no best.pt or last.pt); "
-                       "train one with python -m transformer train --out "
-                       f"{run_dir}")
-    tok_path = run_dir / "tokenizer.model"
-    if not tok_path.exists():
-        raise CLIError(f"--model {run_dir} has a checkpoint but no "
-                       "tokenizer.model; copy the whole run directory")
-    try:
-        config = (json.loads((run_dir / "config.json").read_text())
-                  if (run_dir / "config.json").exists() else {})
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CLIError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise CLIError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, not "
-                       "a JSON object; the file is damaged: copy the run directory again")
-    if exported and sha256_file(path) != exported:
-        raise CLIError(f"{path} is not the file that was exported (sha256 "
-                       f"{sha256_file(path)[:12]}… vs {exported[:12]}… recorded in "
-                       "results.json): it is damaged or was replaced; export it again, "
-                       "or restore it (git checkout, for the book's model)")
-    state = load_checkpoint(path)
-    _check_tokenizer(state, path, tok_path)
-    model = model_from_checkpoint(state, device, name=str(path))
-    tokenizer = Tokenizer.load(tok_path)
-    if tokenizer.vocab_size != model.config.src_vocab:
-        raise CLIError(f"{run_dir}: tokenizer.model has {tokenizer.vocab_size} "
-                       f"pieces but {path.name} expects {model.config.src_vocab}; "
-                       "the files come from different runs")
-    return model, tokenizer, config
+    """The model (eval mode), tokenizer and config.json of a run or model directory:
+    appendix E.1's `load`, with every check it makes."""
+    trained = load(run_dir, which, device)
+    return trained.model, trained.tokenizer, trained.config
 
 
 class Terminated(KeyboardInterrupt):
