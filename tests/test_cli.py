@@ -384,6 +384,33 @@ def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
         assert err.splitlines()[-1].startswith("error: "), err
 
 
+def test_attend_help_states_the_limits_plots_enforces(capsys):
+    "Issue 28 (6): the limits are stated in --help; plots.py holds the numbers (cli.py may not import matplotlib)."
+    plots = pytest.importorskip("transformer.plots")
+    assert main(["attend", "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"at most {plots.MAX_PIECES} pieces a side and {plots.MAX_PIXELS:,} pixels ({plots.MAX_SIDE:,} a side)"
+            in text), text
+
+
+def test_a_modified_corpus_is_refused_unless_asked_for(tmp_path):
+    "Issue 28 (8): val.de.gz shifted by one line (same line count) was scored against misaligned references."
+    import gzip
+    data = tmp_path / "multi30k"
+    data.mkdir()
+    shared = Path(load_multi30k.__globals__["multi30k_dir"]())
+    lines = gzip.decompress((shared / "val.de.gz").read_bytes()).decode().splitlines()
+    (data / "val.de.gz").write_bytes(gzip.compress(("\n".join(lines[1:] + lines[:1]) + "\n").encode()))
+    shutil.copy(shared / "val.en.gz", data / "val.en.gz")
+    argv = ["evaluate", "--model", ROOT / "book" / "model", "--split", "val", "--data", tmp_path, "--limit", 2,
+            "--beam", 1, "--no-download"]
+    code, out, err = run(*argv)
+    assert_one_line_error(code, out, err, 1, "val.de.gz differs from the original Multi30k file (sha256 ")
+    assert err.rstrip().endswith("set TRANSFORMER_DATA_UNVERIFIED=1 (or pass --unverified-data)"), err
+    code, out, err = run(*argv, "--unverified-data")
+    assert code == 0 and "BLEU" in out, err
+
+
 def test_tampered_shipped_weights_are_refused(tmp_path):
     "Issue 28 (4): 64 flipped bytes in the middle of book/model/best.pt translated silently to nonsense."
     model = tmp_path / "model"

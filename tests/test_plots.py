@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from transformer import plots
-from transformer.cli import load_run, main
+from transformer.cli import main
+from transformer.trained import load
 from transformer.decoding import translate
 from transformer.positions import sinusoidal_encoding
 from transformer.checkpoints import read_metrics
@@ -126,7 +127,8 @@ def test_read_runs_names_and_errors(tmp_path):
 
 @pytest.fixture(scope="module")
 def shipped():
-    model, tokenizer, _ = load_run(MODEL)
+    shipped = load(MODEL)
+    model, tokenizer = shipped.model, shipped.tokenizer
     return model, tokenizer, plots.attention_weights(model, tokenizer, SENTENCE)
 
 

@@ -18,9 +18,7 @@ from .data import LANGS, SPLITS, UserError
 from .tokens import Tokenizer
 from .model import ARCHS, POSITIONS, PRESETS, Transformer
 from .checkpoints import atomic_write
-# what C.1 and C.2 import from here until they import E.1 themselves
-from .trained import (check_tokenizer as _check_tokenizer,
-                                 chosen_checkpoint as _chosen, load, run_alpha as _run_alpha)
+from .trained import load
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'load_run',
@@ -314,7 +312,9 @@ def _add_figure_commands(sub) -> None:
                        description="Translate one sentence, then draw the attention "
                                    "weights of one kind, every layer and head or "
                                    "the ones named, with the subword pieces on the "
-                                   "axes (appendix B.1).")
+                                   "axes (appendix B.1). Limits, checked before any "
+                                   "work: at most 200 pieces a side and 100,000,000 "
+                                   "pixels (65,535 a side) in all.")
     a.add_argument("text", metavar="SENTENCE", help="the source sentence")
     a.add_argument("--model", metavar="DIR", required=True,
                    help="a run directory written by train, or a model directory "

@@ -31,7 +31,8 @@ from .loop import train
 from .checkpoints import load_checkpoint, read_metrics, run_lock
 from .devices import init_distributed
 from .evaluation import bleu_callback, final_evaluation
-from .cli import (TRAIN_ALPHAS, VOCAB_SIZE, CLIError, Terminated, _check_tokenizer,
+from .trained import check_tokenizer
+from .cli import (TRAIN_ALPHAS, VOCAB_SIZE, CLIError, Terminated,
                              _device, _device_name, _write_json)
 
 # %% auto #0
@@ -107,10 +108,11 @@ def _pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
     try:
         pairs = load_multi30k(src, tgt, split, data_dir=args.data,
                               download=not args.no_download,
-                              progress=not getattr(args, "quiet", False))
+                              progress=not getattr(args, "quiet", False),
+                              verify=not getattr(args, "unverified_data", False))
     except DataError as e:  # say it in the words of the command line
-        raise DataError(str(e).replace("pass download=True",
-                                       "drop --no-download")) from None
+        raise DataError(str(e).replace("pass download=True", "drop --no-download")
+                        .replace("; in Python, verify=False)", ")")) from None
     return (pairs[:args.eval_sentences]
             if getattr(args, "eval_sentences", None) and split != "train" else pairs)
 
@@ -336,13 +338,26 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     if rank != 0:
         return 0
     final_start = time.perf_counter()
-    final = final_evaluation(
-        out, tokenizer, val_pairs,
-        None if args.eval_split == "val" else _pairs(args, args.eval_split, args.src,
-                                                     args.tgt),
-        beam_size=args.beam, average=train_config.keep_checkpoints,
-        alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha,
-        model=model, device=device, run=run)
+    try:
+        test = (None if args.eval_split == "val"
+                else _pairs(args, args.eval_split, args.src, args.tgt))
+        final = final_evaluation(
+            out, tokenizer, val_pairs, test, beam_size=args.beam,
+            average=train_config.keep_checkpoints,
+            alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha,
+            model=model, device=device, run=run)
+    except KeyboardInterrupt as e:
+        # resumed at its last step, the loop trains no step: only this evaluation runs;
+        # a run --max-minutes stopped earlier would train on, so --max-steps pins it
+        again = "python -m transformer " + shlex.join(
+            [*args.argv, *([] if args.resume else ["--resume"]),
+             *([] if result.step >= train_config.max_steps
+               else ["--max-steps", str(result.step)])])
+        name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
+        print(f"{name} during the final evaluation: training finished (step "
+              f"{result.step}) and its checkpoints are saved in {out}; redo the final "
+              f"evaluation with: {again}", file=sys.stderr)
+        return 128 + getattr(signal, name)
     results = _results(args, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
     _write_json(out / "results.json", results)
@@ -363,7 +378,7 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
                         pieces, exact=False)
     tok_path = out / "tokenizer.model"
     if args.resume:
-        _check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
+        check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
     else:
         if rank == 0:
             Tokenizer.train([s for pair in train_pairs for s in pair],

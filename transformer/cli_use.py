@@ -17,7 +17,8 @@ from .checkpoints import CHECKPOINT_FORMAT, atomic_write
 from .devices import fast_matmul
 from .evaluation import evaluate, score
 from .decoding import translate
-from .cli import CLIError, _chosen, _device, _run_alpha, _write_json, load_run
+from .trained import chosen_checkpoint, load
+from .cli import CLIError, _device, _write_json
 from .cli_train import _pairs
 
 # %% auto #0
@@ -29,9 +30,10 @@ def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
     fast_matmul(device)                      # TF32 on a GPU, for inference as for training
     if args.threads:
         torch.set_num_threads(args.threads)
+    trained = load(args.model, args.checkpoint, device)     # appendix E.1
     if args.alpha is None:                   # the run's own, chosen on val
-        args.alpha = _run_alpha(args.model)
-    return load_run(args.model, args.checkpoint, device)
+        args.alpha = trained.alpha
+    return trained.model, trained.tokenizer, trained.config
 
 
 def _input_lines(args) -> list[str]:
@@ -47,30 +49,35 @@ def _input_lines(args) -> list[str]:
                                "(convert with iconv -t utf-8)") from None
         return list(args.text)
     raw = getattr(sys.stdin, "buffer", None)
+    # surrogateescape gives back the bytes a text stdin could not decode
+    data = (raw.read() if raw is not None
+            else sys.stdin.read().encode("utf-8", "surrogateescape"))
     lines = []
-    for number, line in enumerate(raw if raw is not None else sys.stdin, start=1):
-        if isinstance(line, bytes):
-            try:
-                line = line.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise CLIError(f"stdin line {number} is not valid UTF-8 (byte "
-                               f"{line[e.start:e.start + 1]!r} at column "
-                               f"{e.start + 1}); convert it, e.g. iconv -f latin1 "
-                               "-t utf-8") from None
-        lines.append(line.rstrip("\r\n"))
+    # bytes.splitlines ends a line at \n, \r\n and a lone \r (old Mac files) alike
+    for number, line in enumerate(data.splitlines(), start=1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            raise CLIError(f"stdin line {number} is not valid UTF-8 (byte "
+                           f"{line[e.start:e.start + 1]!r} at column "
+                           f"{e.start + 1}); convert it, e.g. iconv -f latin1 "
+                           "-t utf-8") from None
     return lines
 
 
 def cmd_translate(args) -> int:
     # checked before the model loads
-    texts = _input_lines(args)
-    if not any(t.strip() for t in texts):
+    texts = [t.strip() for t in _input_lines(args)]
+    if not any(texts):
         raise CLIError("no input: pass sentences as arguments, or pipe them to "
                        "stdin one per line")
     model, tokenizer, _ = _setup_inference(args)
-    for line in translate(model, tokenizer, [t.strip() for t in texts],
-                          beam_size=args.beam, alpha=args.alpha):
-        print(line)
+    # output line i is the translation of input line i: an empty line stays empty
+    # (the model would "translate" it into a word or a full stop)
+    done = iter(translate(model, tokenizer, [t for t in texts if t],
+                          beam_size=args.beam, alpha=args.alpha))
+    for text in texts:
+        print(next(done) if text else "")
     return 0
 
 
@@ -160,8 +167,9 @@ def cmd_export(args) -> int:
         raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
                        "new directory")
     run_dir = Path(args.model)
-    which = _chosen(run_dir) if args.checkpoint == "chosen" else args.checkpoint
-    model, tokenizer, config = load_run(run_dir, which)
+    which = chosen_checkpoint(run_dir) if args.checkpoint == "chosen" else args.checkpoint
+    trained = load(run_dir, which)
+    model, config = trained.model, trained.config
     state = {"format": CHECKPOINT_FORMAT,
              "model_config": model.config.to_dict(),
              "model": _converted(model.state_dict(),
@@ -241,10 +249,19 @@ def _save(fig, path: Path) -> None:
 def cmd_plot(args) -> int:
     plots = _plots()
     out = _image_out(args.out)
-    runs = plots.read_runs(args.runs)
+    try:
+        runs = plots.read_runs(args.runs)
+    except ValueError as e:     # a run given twice, one with no records yet: the user's
+        raise CLIError(str(e)) from None
     _save(plots.learning_curves(runs), out)
     print(f"wrote {out}: learning curves of {', '.join(runs)}")
     return 0
+
+
+def _check_pieces(what: str, n: int, limit: int) -> None:
+    if n > limit:
+        raise CLIError(f"{what} has {n} subword pieces, more than the {limit} an "
+                       "attention map shows; pass a shorter sentence")
 
 
 def cmd_attend(args) -> int:
@@ -255,7 +272,8 @@ def cmd_attend(args) -> int:
                     + [f"{what}{n}" for what, n in (("layer", args.layer),
                                                     ("head", args.head)) if n])
     out = _image_out(args.out or f"{name}.png")
-    model, tokenizer, _ = load_run(args.model, args.checkpoint)
+    trained = load(args.model, args.checkpoint)
+    model, tokenizer = trained.model, trained.tokenizer
     if not isinstance(model, Transformer):
         raise CLIError(f"{args.model} holds a {model.config.arch} model; attend draws "
                        "the encoder-decoder's three kinds of attention")
@@ -264,7 +282,24 @@ def cmd_attend(args) -> int:
         if n is not None and n > have:
             raise CLIError(f"--{what} {n}: the model has {have} {what}s; pass 1 to "
                            f"{have}")
+    # a figure too large to draw is refused: the sentence before translating, the
+    # image (its size follows from the pieces) before drawing
+    limit = min(plots.MAX_PIECES, model.config.max_len)
+    _check_pieces("the sentence", len(tokenizer.encode(args.text.strip(), eos=True)),
+                  limit)
     weights = plots.attention_weights(model, tokenizer, args.text, args.beam)
+    _check_pieces("the translation", len(weights.written), limit)
+    rows, cols = weights.pieces(args.kind)
+    layers = 1 if args.layer else model.config.n_layers
+    heads = 1 if args.head else model.config.h
+    width, height = plots.attention_maps_pixels(layers, heads, len(rows), len(cols))
+    if width * height > plots.MAX_PIXELS or max(width, height) > plots.MAX_SIDE:
+        raise CLIError(f"the figure of {layers * heads} panels ({layers} layers x "
+                       f"{heads} heads) of {len(rows)} x {len(cols)} pieces would be "
+                       f"{width:,} x {height:,} pixels, more than attend draws "
+                       f"({plots.MAX_PIXELS:,} pixels, {plots.MAX_SIDE:,} a side); "
+                       "draw fewer panels with --layer and/or --head, or pass a "
+                       "shorter sentence")
     _save(plots.attention_maps(weights, args.kind, args.layer, args.head), out)
     print(f"wrote {out}: {plots.KINDS[args.kind]} of {weights.sentence!r} -> "
           f"{weights.translation!r}")

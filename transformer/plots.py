@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import reprlib
 import tempfile
 import textwrap
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,7 @@ except ImportError as e:                       # the package's figures are an ex
 from .tokens import BOS, EOS, Tokenizer
 from .positions import sinusoidal_encoding
 from .model import Transformer
-from .checkpoints import read_metrics
+from .checkpoints import TrainingError, read_metrics
 from .decoding import beam_search, greedy_search
 
 # DejaVu Sans ships with matplotlib and has every glyph the figures print: umlauts, ß,
@@ -85,8 +86,9 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 150) -> Path:
     return path
 
 # %% auto #0
-__all__ = ['FONT', 'STYLE', 'FORMATS', 'CURVES', 'KINDS', 'image_format', 'to_bytes', 'save_figure', 'read_runs',
-           'learning_curves', 'AttentionWeights', 'attention_weights', 'attention_maps', 'positional_encoding']
+__all__ = ['FONT', 'STYLE', 'FORMATS', 'CURVES', 'KINDS', 'MAX_PIECES', 'MAX_PIXELS', 'MAX_SIDE', 'image_format', 'to_bytes',
+           'save_figure', 'read_runs', 'learning_curves', 'AttentionWeights', 'attention_weights',
+           'attention_maps_pixels', 'attention_maps', 'positional_encoding']
 
 # %% ../book/b_1_plots.ipynb #p006
 def read_runs(dirs: Sequence[str | os.PathLike] | str | os.PathLike
@@ -108,11 +110,35 @@ def read_runs(dirs: Sequence[str | os.PathLike] | str | os.PathLike
         name = str(d) if names.count(name) > 1 else name
         if name in runs:
             raise ValueError(f"{d} is given twice")
-        runs[name] = read_metrics(d / "metrics.jsonl")
+        runs[name] = _checked(d / "metrics.jsonl", read_metrics(d / "metrics.jsonl"))
         if not runs[name]:
             raise ValueError(f"{d / 'metrics.jsonl'} holds no records yet (train "
                              "writes one every --log-every steps)")
     return runs
+
+
+# the fields the figures read: numbers where a record has them (NaN too: a diverged run)
+_NUMBERS = ("step", "loss", "val_loss", "bleu", "seconds", "lr")
+
+
+def _not_number(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, (int, float))
+
+
+def _checked(path: Path, records: list[dict]) -> list[dict]:
+    "`path`'s records; one we cannot draw is a `TrainingError` naming its line."
+    # read_metrics skips blank lines: the k-th record is the k-th line that is not blank
+    text = path.read_text(encoding="utf-8", errors="replace")
+    lines = [n for n, line in enumerate(text.splitlines(), start=1) if line.strip()]
+    for number, r in zip(lines, records):
+        bad = ([] if isinstance(r.get("kind"), str)
+               else [f'"kind" is {reprlib.repr(r.get("kind"))}, not train or eval'])
+        bad += [f'"{k}" is {reprlib.repr(r.get(k))}, not a number' for k in _NUMBERS
+                if (k == "step" or r.get(k) is not None) and _not_number(r.get(k))]
+        if bad:
+            raise TrainingError(f"{path}, line {number}: not a metrics record that can "
+                                f"be drawn ({bad[0]}); fix or delete that line")
+    return records
 
 
 def _xy(records: list[dict], kind: str, x: str, y: str, scale: float = 1.0):
@@ -259,6 +285,32 @@ _AXES = {"encoder": ("source piece", "source piece attended to"),
          "cross": ("piece written", "source piece attended to")}
 
 
+def _maps_inches(n_layers: int, n_heads: int, n_rows: int, n_cols: int
+                 ) -> tuple[float, float]:
+    "The size of `attention_maps`' figure in inches: about 0.22 a piece."
+    smallest = 2.8 if n_layers * n_heads == 1 else 1.6     # a panel's side at least
+
+    def side(n: int) -> float:
+        return max(smallest, 0.22 * n)
+
+    return max(4.8, n_heads * side(n_cols) + 1.6), n_layers * side(n_rows) + 1.6
+
+
+# The largest figure `attend` draws: pieces along a map's side, and the pixels of the
+# image at save_figure's 150 dpi (Agg draws less than 2**16 a side). Memory grows with
+# the pixels: 161 million took 1.4 GB and 15 s here; a 300-piece sentence's 12 panels
+# would be 39,972 x 30,039 pixels.
+MAX_PIECES, MAX_PIXELS, MAX_SIDE = 200, 100_000_000, 2**16 - 1
+
+
+def attention_maps_pixels(n_layers: int, n_heads: int, n_rows: int, n_cols: int,
+                          dpi: int = 150) -> tuple[int, int]:
+    """(width, height) in pixels of the image of `attention_maps` with `n_layers` x
+    `n_heads` panels of `n_rows` x `n_cols` pieces, saved at `dpi`: known beforehand."""
+    return tuple(int(inches * dpi)
+                 for inches in _maps_inches(n_layers, n_heads, n_rows, n_cols))
+
+
 def attention_maps(weights: AttentionWeights, kind: str = "cross",
                    layer: int | None = None, head: int | None = None) -> Figure:
     """Heat maps of one kind of attention (`encoder`, `decoder` or `cross`): a row of
@@ -268,13 +320,7 @@ def attention_maps(weights: AttentionWeights, kind: str = "cross",
     w = getattr(weights, kind)                                           # (N, h, Q, K)
     layers, heads = _pick("layer", layer, w.size(0)), _pick("head", head, w.size(1))
     rows, cols = weights.pieces(kind)
-    smallest = 2.8 if len(layers) * len(heads) == 1 else 1.6
-
-    def side(n: int) -> float:                    # inches: about 0.22 per piece
-        return max(smallest, 0.22 * n)
-
-    fig = _figure(figsize=(max(4.8, len(heads) * side(len(cols)) + 1.6),
-                           len(layers) * side(len(rows)) + 1.6))
+    fig = _figure(figsize=_maps_inches(len(layers), len(heads), len(rows), len(cols)))
     with matplotlib.rc_context(STYLE):
         axes = fig.subplots(len(layers), len(heads), squeeze=False,
                             sharex=True, sharey=True)

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .data import UserError
 from .checkpoints import RunDirectoryError, atomic_write, run_lock
 from .cli_train import RUN_FILES
 
@@ -28,7 +29,7 @@ COMMANDS = ("train", "evaluate")
 KEEP = ("config.json", "metrics.jsonl", "results.json", "failed.json")
 
 
-class SweepError(ValueError):
+class SweepError(UserError, ValueError):
     "A variant file or a sweep option that cannot work; the message says the fix."
 
 
@@ -50,11 +51,21 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
     Returns (base, variants); a bad file is a `SweepError` that names the entry."""
     path = Path(path)
     try:
-        spec = json.loads(path.read_text())
+        data = path.read_bytes()
+        # a byte order mark (Windows editors write one) is not part of the JSON
+        spec = json.loads(data.decode("utf-8").removeprefix("\ufeff"))
     except OSError as e:
         raise SweepError(f"cannot read the variant file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        at, byte = e.start, data[e.start:e.start + 1]
+        line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
+        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, "
+                         f"column {column} (byte {at + 1} of the file); save it as "
+                         "UTF-8") from None
     except json.JSONDecodeError as e:
         raise SweepError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise SweepError(f"{path} is nested too deeply to be a variant file") from None
     if not isinstance(spec, dict) or not isinstance(spec.get("variants"), list):
         raise SweepError(f'{path} must hold a JSON object with a "variants" list')
     base = spec.get("base", [])
@@ -82,6 +93,10 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
             raise SweepError(f"{where}: the name {v.name!r} is used twice")
         if not (isinstance(v.args, list) and all(isinstance(a, str) for a in v.args)):
             raise SweepError(f'{where} ({v.name}): "args" must be a list of strings')
+        for key in ("row", "note"):
+            if not isinstance(getattr(v, key), str):
+                raise SweepError(f'{where} ({v.name}): "{key}" must be a string, got '
+                                 f"{getattr(v, key)!r}")
         if v.command not in COMMANDS:
             raise SweepError(f"{where} ({v.name}): command {v.command!r} is not one of "
                              f"{', '.join(COMMANDS)}")
@@ -156,7 +171,8 @@ class _Job:
         """After the process ended: write an evaluation's results, or failed.json (the
         error and the output's last lines, kept as a result: a diverged run is one, and
         so is an evaluation whose last line is not a JSON object); True if it
-        succeeded."""
+        succeeded. `RunDirectoryError` if another process took the run's lock meanwhile
+        (nothing is recorded then)."""
         code, record = self.proc.wait(), None
         if self.stdout is not self.log:
             self.stdout.seek(0)
@@ -191,16 +207,24 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
     directory is held by a live process, which the sweep leaves alone). Ctrl-C or SIGTERM
     stops the children (each saves its `last.pt`) and raises `KeyboardInterrupt`: the
     same call resumes."""
-    out = Path(out)
-    if retry_failed:
-        for v in variants:
-            if (out / v.name / "failed.json").exists():
+    out, status = Path(out), {}
+
+    def busy(name: str, e: RunDirectoryError) -> None:  # held, e.g. by an earlier sweep
+        status[name] = "busy"
+        say(f"busy   {name}: {e}")
+
+    for v in variants:
+        if retry_failed and (out / v.name / "failed.json").exists():
+            try:
                 with run_lock(out / v.name):
                     (out / v.name / "failed.json").unlink(missing_ok=True)
-    status = {v.name: "skipped" for v in variants
-              if run_state(out / v.name) in ("done", "failed")}
+            except RunDirectoryError as e:
+                busy(v.name, e)
+        if v.name not in status and run_state(out / v.name) in ("done", "failed"):
+            status[v.name] = "skipped"
     todo = [v for v in variants if v.name not in status]
-    say(f"{len(variants)} variants: {len(status)} done before, {len(todo)} to run, "
+    done = list(status.values()).count("skipped")
+    say(f"{len(variants)} variants: {done} done before, {len(todo)} to run, "
         f"{jobs} at a time; run directories in {out}")
     running: list[_Job] = []
     try:
@@ -209,16 +233,19 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
                 variant = todo.pop(0)
                 try:
                     job = _Job(variant, base, out, list(extra))
-                except RunDirectoryError as e:       # alive, e.g. from an earlier sweep
-                    status[variant.name] = "busy"
-                    say(f"busy   {variant.name}: {e}")
+                except RunDirectoryError as e:
+                    busy(variant.name, e)
                     continue
                 running.append(job)
                 say(f"start  {job.variant.name}: {shlex.join(job.cmd[1:])}")
             time.sleep(0.2)
             for job in [j for j in running if j.proc.poll() is not None]:
                 running.remove(job)
-                ok = job.finish()
+                try:
+                    ok = job.finish()
+                except RunDirectoryError as e:       # taken since the child ended
+                    busy(job.variant.name, e)
+                    continue
                 status[job.variant.name] = "done" if ok else "failed"
                 minutes = (time.monotonic() - job.started) / 60
                 why = ("" if ok else f"; see {job.dir / 'log.txt'}"

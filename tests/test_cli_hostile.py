@@ -1,0 +1,327 @@
+"""Issue 28, hostile use of the command line: input that keeps its lines, figures too large to draw, damaged metrics,
+variant files that are not UTF-8, a run directory taken in the middle of a sweep, and an interrupt during the final
+evaluation. Each error is one line on stderr, with no traceback, and leaves nothing behind."""
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import transformer.cli_train as cli_train
+import transformer.cli_use as cli_use
+from transformer import plots
+from transformer.cli import Terminated, main
+from transformer.trained import load
+from transformer.data import DataError, load_multi30k
+from transformer.sweep import Variant, read_variants
+from test_cli import TRAIN, assert_one_line_error, run
+from test_sweep import _children, sweep, write_variants
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = ROOT / "book" / "model"          # the shipped model: 3 layers, 4 heads
+pytestmark = pytest.mark.usefixtures("keep_threads")
+
+
+def run_bytes(*argv, stdin: bytes):
+    "main(argv) with `stdin` as the bytes of a real stdin (sys.stdin.buffer): (exit code, stdout, stderr)."
+    class Stdin(io.StringIO):
+        buffer = io.BytesIO(stdin)
+    out, err, old = io.StringIO(), io.StringIO(), sys.stdin
+    sys.stdin = Stdin()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main([str(a) for a in argv])
+    finally:
+        sys.stdin = old
+    return code, out.getvalue(), err.getvalue()
+
+
+# ---- 1. translate keeps line i of the output on line i of the input ------------------------------------------------
+
+SENTENCES = ["Ein Hund läuft.", "Zwei Männer."]
+
+
+@pytest.fixture(scope="module")
+def alone():
+    "Each sentence translated on its own, as an argument."
+    return [run("translate", "--model", MODEL, "--beam", 1, s)[1] for s in SENTENCES]
+
+
+@pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"], ids=["LF", "CRLF", "CR"])
+@pytest.mark.parametrize("stdin", ["text", "bytes"])
+def test_translate_keeps_empty_lines_and_splits_every_line_ending(alone, monkeypatch, newline, stdin):
+    asked = []
+    real = cli_use.translate
+    monkeypatch.setattr(cli_use, "translate", lambda model, tok, texts, **kw: asked.append(texts) or
+                        real(model, tok, texts, **kw))
+    text = newline.join([SENTENCES[0], "", "  ", SENTENCES[1]]) + newline
+    code, out, err = (run("translate", "--model", MODEL, "--beam", 1, stdin=text) if stdin == "text" else
+                      run_bytes("translate", "--model", MODEL, "--beam", 1, stdin=text.encode()))
+    assert code == 0 and err == "", err
+    assert out == alone[0] + "\n\n" + alone[1]                   # empty in, empty out, in place
+    assert asked == [SENTENCES]                                   # the empty lines never reach the model
+
+
+def test_translate_empty_arguments_stay_in_place(alone):
+    code, out, err = run("translate", "--model", MODEL, "--beam", 1, SENTENCES[0], "", SENTENCES[1])
+    assert code == 0 and out == alone[0] + "\n" + alone[1], err
+
+
+# ---- 2. attend refuses a figure it could not draw in reasonable memory ----------------------------------------------
+
+def _sentence(pieces: int) -> str:
+    "A sentence of `pieces` subword pieces (</s> included) for the shipped model's tokenizer: 5 a repeat."
+    assert pieces % 5 == 1
+    return " ".join(["Ein Mann fährt Fahrrad."] * (pieces // 5))
+
+
+def _never(*args, **kwargs):
+    raise AssertionError("called after the limit was found exceeded")
+
+
+def test_attend_refuses_a_sentence_longer_than_a_map_before_translating(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "attention_weights", _never)
+    code, out, err = run("attend", "--model", MODEL, "--kind", "encoder", _sentence(301), "--out", tmp_path / "a.png")
+    assert_one_line_error(code, out, err, 1, f"the sentence has 301 subword pieces, more than the {plots.MAX_PIECES} "
+                                             "an attention map shows; pass a shorter sentence")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_attend_refuses_a_figure_over_the_pixel_limit_and_one_panel_fits(tmp_path, monkeypatch):
+    "101 pieces: 12 panels would be 13,571 x 10,238 pixels; --layer 1 --head 1 draws one panel of 3,573 x 3,573."
+    real = plots.attention_maps
+    monkeypatch.setattr(plots, "attention_maps", _never)
+    out_png = tmp_path / "a.png"
+    code, out, err = run("attend", "--model", MODEL, "--kind", "encoder", _sentence(101), "--out", out_png)
+    assert_one_line_error(code, out, err, 1, "the figure of 12 panels (3 layers x 4 heads) of 101 x 101 pieces would "
+                                             "be 13,571 x 10,238 pixels, more than attend draws (100,000,000 pixels")
+    assert "draw fewer panels with --layer and/or --head, or pass a shorter sentence" in err
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(plots, "attention_maps", real)
+    code, out, err = run("attend", "--model", MODEL, "--kind", "encoder", "--layer", 1, "--head", 1, _sentence(101),
+                         "--out", out_png)
+    assert code == 0 and err == "", err
+    from PIL import Image
+    assert Image.open(out_png).size == plots.attention_maps_pixels(1, 1, 101, 101) == (3573, 3573)
+
+
+def test_attend_refuses_a_translation_longer_than_a_map(tmp_path, monkeypatch):
+    "The limit on the pieces written is checked after the translation, before drawing."
+    monkeypatch.setattr(plots, "MAX_PIECES", 6)                  # the sentence has 6 pieces, its translation more
+    monkeypatch.setattr(plots, "attention_maps", _never)
+    code, out, err = run("attend", "--model", MODEL, "Ein Mann fährt Fahrrad.", "--out", tmp_path / "a.png")
+    assert_one_line_error(code, out, err, 1, "the translation has 7 subword pieces, more than the 6 an attention map "
+                                             "shows; pass a shorter sentence")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_size_attend_checks_is_the_size_it_draws():
+    from PIL import Image
+    shipped = load(MODEL)
+    model, tokenizer = shipped.model, shipped.tokenizer
+    weights = plots.attention_weights(model, tokenizer, "Ein Mann fährt Fahrrad.")
+    for kind, layer, head in (("cross", None, None), ("encoder", 2, None), ("decoder", None, 3), ("cross", 1, 1)):
+        rows, cols = weights.pieces(kind)
+        fig = plots.attention_maps(weights, kind, layer, head)
+        size = Image.open(io.BytesIO(plots.to_bytes(fig))).size
+        assert size == plots.attention_maps_pixels(1 if layer else 3, 1 if head else 4, len(rows), len(cols)), kind
+
+
+# ---- 3. plot names the file and line of a record it cannot draw ----------------------------------------------------
+
+GOOD = {"kind": "train", "step": 8, "loss": 2.0, "lr": 0.001}
+BAD_RECORDS = [  # (what, the record on line 2, part of the message)
+    ("loss not a number", {"kind": "train", "step": 4, "loss": "abc", "lr": 0.1}, "\"loss\" is 'abc', not a number"),
+    ("seconds not a number", {"kind": "eval", "step": 4, "seconds": "x", "bleu": 1.0}, "\"seconds\" is 'x', not"),
+    ("step not a number", {"kind": "train", "step": "four", "loss": 1.0}, "\"step\" is 'four', not a number"),
+    ("step null", {"kind": "train", "step": None, "loss": 1.0}, '"step" is None, not a number'),
+    ("a list", {"kind": "train", "step": 4, "loss": [1]}, '"loss" is [1], not a number'),
+    ("a boolean", {"kind": "train", "step": 4, "lr": True}, '"lr" is True, not a number'),
+    ("kind a number", {"kind": 5, "step": 4, "loss": 1.0}, '"kind" is 5, not train or eval'),
+    ("no kind", {"step": 4, "loss": 1.0}, '"kind" is None, not train or eval'),
+]
+
+
+@pytest.mark.parametrize("what, record, match", BAD_RECORDS, ids=[b[0] for b in BAD_RECORDS])
+def test_plot_names_the_file_and_line_of_a_bad_record(tmp_path, what, record, match):
+    (tmp_path / "run").mkdir()
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ({**GOOD, "step": 2}, record, GOOD)))
+    before = sorted(tmp_path.rglob("*"))
+    code, out, err = run("plot", tmp_path / "run", "--out", tmp_path / "c.png")
+    assert_one_line_error(code, out, err, 1, f"error: {path}, line 2: not a metrics record that can be drawn ({match}")
+    assert "fix or delete that line" in err and sorted(tmp_path.rglob("*")) == before
+
+
+def test_plot_refuses_a_run_given_twice_or_without_records(tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("")
+    for argv, match in (([ROOT / "book" / "results" / "xeon-de-en"] * 2, "xeon-de-en is given twice"),
+                        ([tmp_path / "run"], "metrics.jsonl holds no records yet (train writes one every --log-every")):
+        code, out, err = run("plot", *argv, "--out", tmp_path / "c.png")
+        assert_one_line_error(code, out, err, 1, match)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["metrics.jsonl", "run"]
+
+
+def test_plot_draws_nan_losses_and_records_without_the_optional_fields(tmp_path):
+    "A diverged run logs NaN; an eval record without BLEU (no callback) is a record all the same."
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in (
+        {"kind": "train", "step": 2, "loss": float("nan"), "lr": 0.1}, {"kind": "eval", "step": 2, "val_loss": 1.5},
+        {"kind": "train", "step": 4, "loss": 1, "lr": None})))
+    code, out, err = run("plot", tmp_path / "run", "--out", tmp_path / "c.png")
+    assert code == 0 and err == "", err
+
+
+# ---- 4. sweep: a variant file that is not UTF-8 or of the wrong shape; a run directory taken meanwhile ---------------
+
+def entry(**kw):
+    return {"name": "a", "row": "x", **kw}
+
+
+BAD_VARIANT_FILES = [  # (what, the file's bytes, part of the message)
+    ("latin-1, not UTF-8", '{"variants": [\n {"name": "a", "row": "Fußball"}]}'.encode("latin-1"),
+     "is not UTF-8 text: byte b'\\xdf' at line 2, column 26 (byte 41 of the file); save it as UTF-8"),
+    ("UTF-16", json.dumps({"variants": []}).encode("utf-16"), "is not UTF-8 text: byte b'\\xff' at line 1, column 1"),
+    ("row not a string", json.dumps({"variants": [entry(row=5)]}).encode(), 'variant 1 (a): "row" must be a string, '
+                                                                             "got 5"),
+    ("note not a string", json.dumps({"variants": [entry(note=["x"])]}).encode(), 'variant 1 (a): "note" must be a '
+                                                                                  "string, got ['x']"),
+    ("nested too deeply", b"[" * 100_000 + b"]" * 100_000, "is nested too deeply to be a variant file"),
+]
+
+
+@pytest.mark.parametrize("what, data, match", BAD_VARIANT_FILES, ids=[b[0] for b in BAD_VARIANT_FILES])
+def test_a_variant_file_sweep_cannot_read_is_one_line(tmp_path, what, data, match):
+    path = tmp_path / "variants.json"
+    path.write_bytes(data)
+    code, out, err = sweep(path, "--out", tmp_path / "runs", "--list")          # --list: a valid file runs nothing
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"error: {path}") and match in err and "Traceback" not in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_variant_file_with_a_byte_order_mark_is_read(tmp_path):
+    "Windows editors start UTF-8 files with a byte order mark; it is not part of the JSON."
+    path = tmp_path / "variants.json"
+    path.write_bytes(b"\xef\xbb\xbf" + json.dumps({"variants": [entry(row="Fußball")]}).encode())
+    assert read_variants(path) == ([], [Variant("a", "Fußball")])
+
+
+def _hold(run_dir: Path) -> subprocess.Popen:
+    "A process that holds the run directory's lock (a live run), once it has printed 'held'."
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
+                               "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
+                               str(run_dir)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_retry_failed_leaves_a_held_failed_run_alone(tmp_path, monkeypatch):
+    out = tmp_path / "runs"
+    (out / "a").mkdir(parents=True)
+    (out / "a" / "failed.json").write_text('{"error": "diverged"}')
+    _children(monkeypatch, {"b": [sys.executable, "-c", "pass"]})
+    path = write_variants(tmp_path / "v.json", [entry(), entry(name="b")])
+    holder = _hold(out / "a")
+    try:
+        code, stdout, err = sweep(path, "--out", out, "--retry-failed")
+    finally:
+        holder.kill()
+        holder.wait()
+    assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder.pid})" in stdout, err
+    assert err == "1 variants are running in another process: a; left alone (run the same command when they end)\n"
+    assert (out / "a" / "failed.json").read_text() == '{"error": "diverged"}'        # kept: not ours to delete
+
+
+# a stand-in for a variant's command: it starts a process that takes the run's lock (say, `train --out` typed by hand
+# into the same directory) and ends with an error, which the sweep then cannot record
+TAKE_AND_FAIL = """import subprocess, sys
+holder = subprocess.Popen([sys.executable, "-c", "import sys, time\\nfrom transformer.checkpoints import run_lock\\n"
+                           "with run_lock(sys.argv[1]):\\n    print('held', flush=True)\\n    time.sleep(60)",
+                           sys.argv[1]], stdout=subprocess.PIPE, text=True, start_new_session=True)
+assert holder.stdout.readline().strip() == "held"
+open(sys.argv[2], "w").write(str(holder.pid))
+sys.exit(1)"""
+
+
+@pytest.mark.parametrize("command", ["train", "evaluate"])
+def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch, command):
+    out, pid_file = tmp_path / "runs", tmp_path / "holder.pid"
+    _children(monkeypatch, {"a": [sys.executable, "-c", TAKE_AND_FAIL, str(out / "a"), str(pid_file)]})
+    path = write_variants(tmp_path / "v.json", [entry(command=command)])
+    try:
+        code, stdout, err = sweep(path, "--out", out)
+    finally:
+        if pid_file.exists():
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+    holder = pid_file.read_text()
+    assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder})" in stdout, (stdout, err)
+    assert err == "1 variants are running in another process: a; left alone (run the same command when they end)\n"
+    assert not (out / "a" / "failed.json").exists() and not (out / "a" / "results.json").exists()
+
+
+# ---- 5. an interrupt during train's final evaluation says how to redo it ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def multi30k():
+    "A missing corpus is a failure, not a skip (as in test_cli.py)."
+    try:
+        load_multi30k("de", "en", "val", progress=False)
+    except DataError as e:
+        pytest.fail(f"the training tests need Multi30k: {e}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signal_name, error, code", [("SIGINT", KeyboardInterrupt, 130), ("SIGTERM", Terminated, 143)])
+def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k, tmp_path, monkeypatch, signal_name,
+                                                                      error, code):
+    out = tmp_path / "run"
+
+    def interrupted(*args, **kwargs):
+        raise error()
+    monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
+    got, stdout, err = run(*TRAIN, "--out", out)
+    assert got == code and err.count("\n") == 1 and "Traceback" not in err, err
+    again = f"python -m transformer {shlex.join(str(a) for a in [*TRAIN, '--out', out, '--resume'])}"
+    assert err == (f"{signal_name} during the final evaluation: training finished (step 24) and its checkpoints are "
+                   f"saved in {out}; redo the final evaluation with: {again}\n")
+    assert (out / "last.pt").exists() and (out / "best.pt").exists() and not (out / "results.json").exists()
+    metrics = (out / "metrics.jsonl").read_text()
+    monkeypatch.undo()
+    got, stdout, err = run(*shlex.split(again)[3:])
+    assert got == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["steps"] == 24 and results["stopped"] == "max_steps"
+    assert (out / "metrics.jsonl").read_text() == metrics               # no step trained again
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi30k, tmp_path, monkeypatch):
+    """A run that --max-minutes stopped (here at step 24 of 40) resumes with --max-steps at its step: resumed
+    without it, it would train on."""
+    import dataclasses
+    out, real = tmp_path / "run", cli_train.train
+
+    def by_the_clock(model, examples, val, config, **kwargs):
+        done = real(model, examples, val, dataclasses.replace(config, max_steps=24), **kwargs)
+        return dataclasses.replace(done, stopped="max_minutes")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_train, "train", by_the_clock)
+    monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
+    got, stdout, err = run(*[a if a != 24 else 40 for a in TRAIN], "--out", out)
+    assert got == 130 and err.endswith(f"--out {out} --resume --max-steps 24\n"), err
+    metrics = (out / "metrics.jsonl").read_text()
+    monkeypatch.undo()
+    got, stdout, err = run(*shlex.split(err.split("with: ")[1])[3:])
+    assert got == 0, err
+    assert json.loads((out / "results.json").read_text())["steps"] == 24
+    assert (out / "metrics.jsonl").read_text() == metrics
