@@ -216,6 +216,9 @@ def _broken_runs(tmp_path):
     torch.save(good, tmp_path / "exported" / "best.pt")
     (tmp_path / "exported" / "results.json").write_text(json.dumps({"weights_sha256": "0" * 64}))
     torch.save({"format": CHECKPOINT_FORMAT, "model": _Evil()}, tmp_path / "evil" / "best.pt")
+    (tmp_path / "stbad").mkdir()                                   # issue 29: an exported model's safetensors
+    (tmp_path / "stbad" / "model.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{broken}")
+    (tmp_path / "stbad" / "tokenizer.model").write_bytes(b"x")
 
 
 class _Evil:
@@ -323,6 +326,10 @@ BAD = [  # (what, argv, exit code, part of the message)
      "blocked.)"),
     ("a directory as the source file", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/empty", "--ref-file",
                                         "TMP/r.en"], 1, "empty: a directory, not a file; name a file in it"),
+    ("a damaged model.safetensors", ["translate", "--model", "TMP/stbad", "x"], 1,
+     "model.safetensors is not a readable weights file of this package (SafetensorError: "),
+    ("last.pt of a shipped model", ["translate", "--model", "TMP/stbad", "--checkpoint", "last", "x"], 1,
+     "is an exported model: it holds one checkpoint, model.safetensors, and no last.pt; use --checkpoint best"),
     ("missing source file, checked before the model", ["evaluate", "--model", "TMP/empty", "--src-file", "TMP/no.de",
                                                        "--ref-file", "TMP/no.en"], 1, "no.de: no such file"),
 ]
@@ -412,15 +419,15 @@ def test_a_modified_corpus_is_refused_unless_asked_for(tmp_path):
 
 
 def test_tampered_shipped_weights_are_refused(tmp_path):
-    "Issue 28 (4): 64 flipped bytes in the middle of book/model/best.pt translated silently to nonsense."
+    "Issue 28 (4): 64 flipped bytes in the middle of the shipped weights translated silently to nonsense."
     model = tmp_path / "model"
     shutil.copytree(ROOT / "book" / "model", model)
-    data = bytearray((model / "best.pt").read_bytes())
+    data = bytearray((model / "model.safetensors").read_bytes())
     middle = len(data) // 2
     data[middle:middle + 64] = bytes(b ^ 0xFF for b in data[middle:middle + 64])
-    (model / "best.pt").write_bytes(bytes(data))
+    (model / "model.safetensors").write_bytes(bytes(data))
     code, out, err = run("translate", "--model", model, "Ein Hund.")
-    assert_one_line_error(code, out, err, 1, "best.pt is not the file that was exported (sha256 ")
+    assert_one_line_error(code, out, err, 1, "model.safetensors is not the file that was exported (sha256 ")
     assert "recorded in results.json): it is damaged or was replaced" in err
 
 
@@ -712,44 +719,65 @@ def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     assert json.loads((out / "results.json").read_text())["steps"] == step + 2
 
 
-def test_export_writes_a_small_model_that_translates(trained, tmp_path):
+def _safetensors(path):
+    "The tensors and the metadata of a safetensors file, read without this package."
+    from safetensors import safe_open
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["transformer-book"])
+
+
+def test_export_writes_a_model_as_the_field_ships_one(trained, tmp_path):
+    "Issue 29: model.safetensors (float16, tied tensors once), config.json, tokenizer.model, results.json, a card."
     from transformer.data import sha256_file
     from transformer.checkpoints import load_checkpoint
     out = tmp_path / "model"
     code, stdout, err = run("export", "--model", trained[0], "--out", out)
     assert code == 0, err
-    assert sorted(p.name for p in out.iterdir()) == ["best.pt", "config.json", "results.json", "tokenizer.model"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors", "results.json",
+                                                     "tokenizer.model"]
     info = json.loads((out / "results.json").read_text())
     chosen = json.loads((trained[0] / "results.json").read_text())["checkpoint"]
-    assert info["weights_sha256"] == sha256_file(out / "best.pt") and info["dtype"] == "float16"
+    assert info["weights_sha256"] == sha256_file(out / "model.safetensors") and info["dtype"] == "float16"
     assert info["source_checkpoint"] == f"{chosen}.pt" and info["source_results"]["bleu"] >= 0
-    state = load_checkpoint(out / "best.pt")                                   # weights_only=True
-    assert all(v.dtype == torch.float16 for v in state["model"].values() if v.is_floating_point())
+    tensors, meta = _safetensors(out / "model.safetensors")
+    assert all(v.dtype == torch.float16 for v in tensors.values() if v.is_floating_point())
     full = load_checkpoint(trained[0] / f"{chosen}.pt")["model"]
-    assert all(torch.allclose(state["model"][k].float(), v, rtol=1e-3, atol=1e-4) for k, v in full.items()
-               if v.is_floating_point())
-    assert (out / "best.pt").stat().st_size < 0.6 * (trained[0] / f"{chosen}.pt").stat().st_size
+    assert set(tensors) | set(meta["tied"]) == set(full) and not set(tensors) & set(meta["tied"])
+    assert all(torch.allclose(tensors[meta["tied"].get(k, k)].float(), v, rtol=1e-3, atol=1e-4)
+               for k, v in full.items() if v.is_floating_point())
+    assert (out / "model.safetensors").stat().st_size < 0.6 * (trained[0] / f"{chosen}.pt").stat().st_size
+    card = (out / "README.md").read_text()
+    assert f"sha256 `{info['weights_sha256']}`" in card and "nrefs:1|case:mixed|eff:no|tok:13a" in card
     code, stdout, err = run("translate", "--model", out, "--beam", 1, "Ein Hund läuft.")
     assert code == 0 and stdout.strip(), err
+    assert stdout == run("translate", "--model", trained[0], "--beam", 1, "Ein Hund läuft.")[1]
+    again = tmp_path / "again"                                            # an export of the export: the same bytes
+    assert run("export", "--model", out, "--out", again)[0] == 0
+    assert sha256_file(again / "model.safetensors") == info["weights_sha256"]
     code, stdout, err = run("export", "--model", trained[0], "--out", out)
     assert_one_line_error(code, stdout, err, 1, "exists and is not an empty directory")
 
 
 def test_the_shipped_model_translates_on_a_fresh_clone():
-    "book/model: half-precision weights that load with weights_only=True, their sha256 recorded, no training needed."
+    "book/model: float16 safetensors whose sha256 is recorded and checked, a model card, no training needed."
     from transformer.data import sha256_file
-    from transformer.checkpoints import load_checkpoint
     model_dir = ROOT / "book" / "model"
     info = json.loads((model_dir / "results.json").read_text())
-    assert info["weights_sha256"] == sha256_file(model_dir / "best.pt")
+    assert sorted(p.name for p in model_dir.iterdir()) == ["README.md", "config.json", "model.safetensors",
+                                                           "results.json", "test_2016_flickr.beam4.en",
+                                                           "tokenizer.model"]
+    assert info["weights_sha256"] == sha256_file(model_dir / "model.safetensors")
     assert info["tokenizer_sha256"] == sha256_file(model_dir / "tokenizer.model")
-    state = load_checkpoint(model_dir / "best.pt")
-    assert info["dtype"] == "float16" and all(v.dtype == torch.float16 for v in state["model"].values()
-                                              if v.is_floating_point())
-    assert (model_dir / "best.pt").stat().st_size < 20 * 2**20
+    tensors, meta = _safetensors(model_dir / "model.safetensors")
+    assert info["dtype"] == "float16" and all(v.dtype == torch.float16 for v in tensors.values())
+    assert meta["tokenizer_sha256"] == info["tokenizer_sha256"]
+    assert (model_dir / "model.safetensors").stat().st_size < 20 * 2**20
+    assert info["weights_sha256"] in (model_dir / "README.md").read_text()
     code, stdout, err = run("translate", "--model", model_dir, "Ein Hund läuft im Schnee.")
     assert code == 0 and err == "", err
     assert "dog" in stdout and "snow" in stdout, stdout
+    import transformer                                                    # the Python API of issue 29
+    assert "dog" in transformer.load(model_dir).translate(["Ein Hund läuft im Schnee."])[0]
 
 
 # --- issue 15: the model shape flags -------------------------------------------------------------------------------

@@ -271,11 +271,12 @@ def _export_parser(sub) -> None:
     x = sub.add_parser("export",
                        help="write a run's chosen weights, in half precision, as a "
                             "small model directory",
-                       description="Write a run's chosen weights (half precision "
-                                   "by default), its tokenizer.model and "
-                                   "config.json, and a results.json with the "
-                                   "sha256 of the weights, to a new directory that "
-                                   "translate and evaluate read like a run "
+                       description="Write a run's chosen weights as "
+                                   "model.safetensors (half precision by default), "
+                                   "its tokenizer.model and config.json, a "
+                                   "results.json with the sha256 of the weights, and "
+                                   "a model card (README.md), to a new directory that "
+                                   "translate, evaluate and attend read like a run "
                                    "directory.")
     x.add_argument("--model", metavar="DIR", required=True,
                    help="a run directory written by train")

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
-from .data import read_parallel, sha256_file
+from .data import read_parallel
 from .tokens import Tokenizer
 from .model import Transformer
-from .checkpoints import CHECKPOINT_FORMAT, atomic_write
+from .checkpoints import atomic_write
 from .devices import fast_matmul
 from .evaluation import evaluate, score
 from .decoding import translate
-from .trained import chosen_checkpoint, load
-from .cli import CLIError, _device, _write_json
+from .trained import WEIGHTS, load
+from .cli import CLIError, _device
 from .cli_train import _pairs
 
 # %% auto #0
@@ -142,70 +142,24 @@ def cmd_evaluate(args) -> int:
     return 0
 
 
-def _converted(state: dict[str, torch.Tensor], dtype) -> dict[str, torch.Tensor]:
-    ("The floating tensors in `dtype`; tensors that share storage (tied embeddings) "
-     "still share it, so are stored once.")
-    done: dict[int, torch.Tensor] = {}
-    out = {}
-    for k, v in state.items():
-        if dtype is not None and v.is_floating_point():
-            key = v.untyped_storage().data_ptr()
-            v = (done[key] if key in done and done[key].shape == v.shape
-                 else done.setdefault(key, v.detach().to(dtype)))
-        out[k] = v.detach()
-    return out
-
-
 def cmd_export(args) -> int:
-    """Write a run's chosen weights as a small model directory that `translate` and
-    `evaluate` read: the weights in half precision (`--half`, the default; about half
-    the bytes, the same translations up to rounding), the run's tokenizer.model and
-    config.json, and a results.json that names the source run, its scores and the
-    sha256 of the weights file."""
+    """Write a run's chosen weights as a model directory, the way the field ships one
+    (appendix E.1's `TrainedModel.export`): model.safetensors in half precision
+    (`--half`, the default; the same translations up to rounding), tokenizer.model,
+    config.json, results.json (the source run, its scores, the weights' sha256) and a
+    model card, README.md. `translate`, `evaluate` and `attend` read it like a run."""
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
                        "new directory")
-    run_dir = Path(args.model)
-    which = chosen_checkpoint(run_dir) if args.checkpoint == "chosen" else args.checkpoint
-    trained = load(run_dir, which)
-    model, config = trained.model, trained.config
-    state = {"format": CHECKPOINT_FORMAT,
-             "model_config": model.config.to_dict(),
-             "model": _converted(model.state_dict(),
-                                 torch.float16 if args.half else None),
-             "run": {"tokenizer_sha256": sha256_file(run_dir / "tokenizer.model")},
-             "progress": {"exported_from": f"{run_dir.name}/{which}.pt"}}
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        atomic_write(out / "best.pt", lambda f: torch.save(state, f))
-        weights_sha256 = sha256_file(out / "best.pt")
-        atomic_write(out / "tokenizer.model",
-                     lambda f: f.write((run_dir / "tokenizer.model").read_bytes()))
-        _write_json(out / "config.json", config)
-        try:
-            source = json.loads((run_dir / "results.json").read_text())
-        except (OSError, json.JSONDecodeError):
-            source = {}
-        keep = ("bleu", "bleu_lc_tok", "chrf", "split", "beam", "alpha", "greedy",
-                "val", "steps", "command", "git_commit", "cpu", "threads", "torch",
-                "started_utc", "finished_utc", "params")
-        _write_json(out / "results.json", {
-            "checkpoint": "best", "exported_from": str(run_dir),
-            "source_checkpoint": f"{which}.pt",
-            "dtype": "float16" if args.half else "float32",
-            "weights_sha256": weights_sha256,
-            "tokenizer_sha256": state["run"]["tokenizer_sha256"],
-            "source_results": {k: source[k] for k in keep if k in source}})
-    except BaseException:
-        for name in ("best.pt", "tokenizer.model", "config.json", "results.json"):
-            (out / name).unlink(missing_ok=True)
-        raise
-    size = (out / "best.pt").stat().st_size
-    print(f"wrote {out}: {which}.pt of {run_dir} as "
-          f"{'float16' if args.half else 'float32'} weights ({size / 2**20:.1f} "
-          f"MiB, sha256 {weights_sha256[:12]}…), tokenizer.model, "
-          "config.json, results.json")
+    trained = load(args.model, args.checkpoint)
+    trained.export(out, half=args.half)
+    results = json.loads((out / "results.json").read_text())
+    size = (out / WEIGHTS).stat().st_size
+    print(f"wrote {out}: {trained.path.name} of {args.model} as {results['dtype']} "
+          f"weights ({WEIGHTS}, {size / 2**20:.1f} MiB, sha256 "
+          f"{results['weights_sha256'][:12]}…), tokenizer.model, config.json, "
+          "results.json, README.md")
     return 0
 
 # %% ../book/c_2_use.ipynb #c011b

@@ -10,15 +10,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import safe_open, save as safetensors_bytes
 
 from .data import sha256_file
 from .tokens import Tokenizer
 from .model import Transformer
 from .decoding import translate
-from .checkpoints import CheckpointError, load_checkpoint, model_from_checkpoint
+from .checkpoints import (CHECKPOINT_FORMAT, CheckpointError, atomic_write,
+                                     load_checkpoint, model_from_checkpoint)
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer', 'TrainedModel', 'load']
+__all__ = ['CHECKPOINTS', 'WEIGHTS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer', 'TrainedModel',
+           'load', 'bleu_signature', 'model_card']
 
 # %% ../book/e_1_load.ipynb #e1-004
 CHECKPOINTS = ("best", "last", "averaged")   # the weights a run directory may hold: NAME.pt
@@ -77,6 +81,56 @@ def check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
             "from different runs; copy the whole run directory, or put back its own "
             "tokenizer.model")
 
+# %% ../book/e_1_load.ipynb #e1-004b
+WEIGHTS = "model.safetensors"   # an exported model's weights (a run's checkpoints stay .pt)
+_META = "transformer-book"      # the header's one metadata entry: JSON
+
+
+def _tied(state: dict[str, torch.Tensor]) -> dict[str, str]:
+    "name -> the earlier name whose tensor it is (tied embeddings): stored once."
+    first, tied = {}, {}
+    for name, t in state.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.shape, t.stride())
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
+
+
+def _read_weights(path: Path) -> dict:
+    "An exported model's weights file, as the checkpoint dictionary appendix E reads."
+    try:
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads((f.metadata() or {}).get(_META, "{}"))
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+        config = meta.get("model_config")
+        tensors.update({name: tensors[twin] for name, twin in meta.get("tied", {}).items()})
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{path} is not a readable weights file of this package "
+                              f"({type(e).__name__}: {' '.join(str(e).split())[:160]})") from None
+    if meta.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{path} is not a weights file of this package (format "
+                              f"{CHECKPOINT_FORMAT!r} expected, found {meta.get('format')!r})")
+    return {"format": CHECKPOINT_FORMAT, "model_config": config, "model": tensors,
+            "run": {"tokenizer_sha256": meta.get("tokenizer_sha256")}}
+
+
+def _write_weights(model: Transformer, path: Path, half: bool, tokenizer_sha256: str):
+    "`model`'s tensors (float16 if `half`; tied ones once) to a safetensors file."
+    state = model.state_dict()
+    tied = _tied(state)
+    tensors = {name: t.detach().to(torch.float16 if half and t.is_floating_point()
+                                   else t.dtype).contiguous().cpu()
+               for name, t in state.items() if name not in tied}
+    meta = {"format": CHECKPOINT_FORMAT, "tied": tied, "tokenizer_sha256": tokenizer_sha256,
+            "model_config": model.config.to_dict()}
+    # one key: safetensors writes its metadata in no fixed order, and the same model
+    # should give the same bytes (and sha256) every time
+    meta = {_META: json.dumps(meta, sort_keys=True)}
+    atomic_write(path, lambda f: f.write(safetensors_bytes(tensors, meta)))
+
+
 # %% ../book/e_1_load.ipynb #e1-006
 @dataclass
 class TrainedModel:
@@ -102,6 +156,47 @@ class TrainedModel:
             out[i] = text
         return out[0] if one else out
 
+    def export(self, out: str | os.PathLike, half: bool = True) -> Path:
+        """Write this model as the field ships one, into `out` (new, or empty):
+        model.safetensors (float16 unless `half=False`), tokenizer.model, config.json,
+        results.json (the weights' sha256, the source run's scores) and README.md (a
+        model card). `load(out)` reads it back. All or nothing: on an error the files
+        written so far are removed."""
+        out, run_dir = Path(out), self.path.parent
+        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise CheckpointError(f"{out} exists and is not an empty directory; pass a "
+                                  "new directory")
+        source = _results(run_dir)
+        if "source_results" in source:   # an exported model, exported again
+            provenance = {k: source.get(k) for k in
+                          ("exported_from", "source_checkpoint", "source_results")}
+        else:
+            provenance = {"exported_from": str(run_dir),
+                          "source_checkpoint": self.path.name,
+                          "source_results": {k: source[k] for k in _KEEP if k in source}}
+        tok = sha256_file(run_dir / "tokenizer.model")
+        out.mkdir(parents=True, exist_ok=True)
+        names = (WEIGHTS, "tokenizer.model", "config.json", "results.json", "README.md")
+        try:
+            _write_weights(self.model, out / WEIGHTS, half, tok)
+            text = lambda s: (lambda f: f.write(s))
+            atomic_write(out / "tokenizer.model",
+                         text((run_dir / "tokenizer.model").read_bytes()))
+            atomic_write(out / "config.json", text(json.dumps(self.config, indent=2) + "\n"),
+                         mode="w")
+            results = {"checkpoint": "best", **provenance,
+                       "dtype": "float16" if half else "float32",
+                       "weights": WEIGHTS, "weights_sha256": sha256_file(out / WEIGHTS),
+                       "tokenizer_sha256": tok}
+            atomic_write(out / "results.json", text(json.dumps(results, indent=2) + "\n"),
+                         mode="w")
+            atomic_write(out / "README.md", text(model_card(self, results)), mode="w")
+        except BaseException:
+            for name in names:
+                (out / name).unlink(missing_ok=True)
+            raise
+        return out
+
 
 def load(path: str | os.PathLike, which: str = "chosen",
          device: str | torch.device = "cpu") -> TrainedModel:
@@ -117,22 +212,22 @@ def load(path: str | os.PathLike, which: str = "chosen",
     if not run_dir.is_dir():
         raise CheckpointError(f"{run_dir}: no such directory" + (
             " (name the directory that holds it)" if run_dir.is_file() else ""))
-    exported = exported_sha256(run_dir)
-    if which == "chosen":
+    exported, shipped = exported_sha256(run_dir), (run_dir / WEIGHTS).is_file()
+    if which == "chosen" and not shipped:
         which = chosen_checkpoint(run_dir)
         if not (run_dir / f"{which}.pt").exists() and which != "best":
             warnings.warn(f"{run_dir / 'results.json'} chose {which}.pt, which is "
                           "missing; using best.pt", stacklevel=2)
             which = "best"
-    if exported and which != "best":
+    if (exported or shipped) and which not in ("chosen", "best"):
         raise CheckpointError(f"{run_dir} is an exported model: it holds one checkpoint, "
-                              f"best.pt, and no {which}.pt; use --checkpoint best (or "
-                              "leave --checkpoint out)")
+                              f"{WEIGHTS if shipped else 'best.pt'}, and no {which}.pt; use "
+                              "--checkpoint best (or leave --checkpoint out)")
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
         raise CheckpointError(f"{run_dir} holds no averaged.pt (train --average N writes "
                               "it); use --checkpoint best (best.pt) or --checkpoint last "
                               "(last.pt)")
-    ckpt = run_dir / f"{which}.pt"
+    ckpt = run_dir / (WEIGHTS if shipped else f"{which}.pt")
     if which == "best" and not ckpt.exists():
         ckpt = run_dir / "last.pt"
     if not ckpt.exists():
@@ -156,7 +251,7 @@ def load(path: str | os.PathLike, which: str = "chosen",
             f"{ckpt} is not the file that was exported (sha256 {got[:12]}… vs "
             f"{exported[:12]}… recorded in results.json): it is damaged or was replaced; "
             "export it again, or restore it (git checkout, for the book's model)")
-    state = load_checkpoint(ckpt)
+    state = _read_weights(ckpt) if shipped else load_checkpoint(ckpt)
     check_tokenizer(state, ckpt, tok_path)
     model = model_from_checkpoint(state, device, name=str(ckpt))
     tokenizer = Tokenizer.load(tok_path)
@@ -165,3 +260,82 @@ def load(path: str | os.PathLike, which: str = "chosen",
                               f"pieces but {ckpt.name} expects {model.config.src_vocab}; "
                               "the files come from different runs")
     return TrainedModel(model, tokenizer, config, run_alpha(run_dir), ckpt)
+
+# %% ../book/e_1_load.ipynb #e1-006b
+# what an export keeps of its source run's results.json
+_KEEP = ("bleu", "bleu_lc_tok", "chrf", "split", "beam", "alpha", "greedy", "val", "steps",
+         "command", "git_commit", "cpu", "threads", "torch", "started_utc", "finished_utc",
+         "params")
+
+
+def bleu_signature() -> str:
+    "sacreBLEU's signature of the BLEU chapter 10 reports (cased, detokenized, 13a)."
+    from sacrebleu.metrics import BLEU
+    bleu = BLEU()
+    bleu.corpus_score(["a"], [["a"]])   # the signature counts the references: score once
+    return str(bleu.get_signature())
+
+
+def model_card(trained: TrainedModel, results: dict) -> str:
+    "README.md of an exported model, written from its config and its run's results."
+    c, data = trained.model.config, trained.config.get("data", {})
+    run = results.get("source_results") or {}
+    pair = f"{data.get('src', '?')}→{data.get('tgt', '?')}"
+    rows = [(f"{run.get('split', 'test')}, beam {run.get('beam', '?')}, "
+             f"α {run.get('alpha', '?')}", run),
+            ("val, same search", run.get("val") or {}),
+            (f"{run.get('split', 'test')}, greedy", run.get("greedy") or {})]
+    scores = "\n".join(f"| {name} | {r['bleu']:.2f} | {r.get('chrf', float('nan')):.2f} |"
+                       for name, r in rows if isinstance(r.get("bleu"), (int, float)))
+    return f"""# Transformer {pair}, Multi30k
+
+The encoder-decoder Transformer of *Attention Is All You Need* (Vaswani et al., 2017), trained with
+the `transformer-book` package: {trained.model.num_parameters():,} parameters, {c.n_layers} encoder
+and {c.n_layers} decoder layers, d_model {c.d_model}, {c.h} heads, d_ff {c.d_ff},
+{"pre" if c.norm_first else "post"}-LN, a joint sentencepiece vocabulary of {c.src_vocab:,} pieces.
+
+## Use
+
+```bash
+python -m transformer translate --model DIR "Ein Hund läuft im Schnee."
+python -c "import transformer; print(transformer.load('DIR').translate('Ein Hund läuft im Schnee.'))"
+```
+
+## Files
+
+| file | what |
+|---|---|
+| `{WEIGHTS}` | the weights, {results['dtype']}, sha256 `{results['weights_sha256']}` (checked on load) |
+| `tokenizer.model` | the sentencepiece model, sha256 `{results['tokenizer_sha256']}` |
+| `config.json` | the run's model, training and data settings |
+| `results.json` | the run's scores and where the weights come from |
+
+## Training
+
+Multi30k task 1 (Elliott et al., 2016), {pair}: 29,000 training pairs of image descriptions.
+`{run.get('command', '?')}`: {run.get('steps', '?')} steps on {run.get('cpu', '?')}
+(torch {run.get('torch', '?')}, commit {str(run.get('git_commit', '?'))[:12]}); the weights are
+`{results.get('source_checkpoint', '?')}` of that run, the checkpoint it chose on validation.
+
+## Scores
+
+| split and search | BLEU | chrF |
+|---|---|---|
+{scores}
+
+BLEU is sacreBLEU's, cased, on detokenized text: `{bleu_signature()}`.
+
+## How it differs from the paper
+
+- Data: Multi30k's short image descriptions, not WMT 2014's 4.5 million sentence pairs of news;
+  its BLEU cannot be compared with the paper's 27.3 (base, English→German).
+- Size: the paper's base model has 6 + 6 layers, d_model 512, 8 heads, d_ff 2048 (65M parameters)
+  and trained 100,000 steps on 8 P100 GPUs in 12 hours.
+- {"Pre-LN (LayerNorm before each sub-layer); the paper normalizes after the residual sum." if c.norm_first else "Post-LN, as in the paper."}
+
+## Licence
+
+The code and these weights: Apache-2.0, the package's licence. The training data: Multi30k, under
+the terms of its repository.
+"""
+
