@@ -43,3 +43,14 @@ def pytest_collection_modifyitems(config, items):
             marks |= set(FIXTURE_MARKS.get(name, ()))
         for mark in sorted(marks):
             item.add_marker(mark)
+
+
+@pytest.fixture(scope="session")
+def multi30k():
+    """The command line, the sweep and the training tests run on the real corpus: a missing corpus
+    is a failure, not a skip (a skipped suite would look green). It downloads when it can."""
+    from transformer.data import DataError, load_multi30k
+    try:
+        load_multi30k("de", "en", "val", progress=False)
+    except DataError as e:
+        pytest.fail(f"these tests need Multi30k: {e}")

@@ -19,11 +19,18 @@ from transformer.data import DataError, load_multi30k
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class _BytesStdin(io.StringIO):
+    "A stdin with the bytes of a real one (sys.stdin.buffer)."
+    def __init__(self, data: bytes):
+        super().__init__()
+        self.buffer = io.BytesIO(data)
+
+
 def run(*argv, stdin=""):
-    "main(argv) in this process: (exit code, stdout, stderr)."
+    "main(argv) in this process: (exit code, stdout, stderr); `stdin` text, or the bytes of a real stdin."
     out, err = io.StringIO(), io.StringIO()
     old = sys.stdin
-    sys.stdin = io.StringIO(stdin)
+    sys.stdin = _BytesStdin(stdin) if isinstance(stdin, bytes) else io.StringIO(stdin)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             code = main([str(a) for a in argv])
@@ -39,16 +46,6 @@ def assert_one_line_error(code, out, err, expected_code, match):
 
 
 pytestmark = pytest.mark.usefixtures("keep_threads")
-
-
-@pytest.fixture(scope="module")
-def multi30k():
-    """The command line is tested on the real corpus: a missing corpus is a failure, not a skip (a skipped
-    command-line suite would look green). It downloads when it can."""
-    try:
-        load_multi30k("de", "en", "val", progress=False)
-    except DataError as e:
-        pytest.fail(f"the command-line tests need Multi30k: {e}")
 
 
 TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 16,

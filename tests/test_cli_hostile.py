@@ -1,7 +1,6 @@
 """Issue 28, hostile use of the command line: input that keeps its lines, figures too large to draw, damaged metrics,
 variant files that are not UTF-8, a run directory taken in the middle of a sweep, and an interrupt during the final
 evaluation. Each error is one line on stderr, with no traceback, and leaves nothing behind."""
-import contextlib
 import io
 import json
 import os
@@ -16,9 +15,8 @@ import pytest
 import transformer.cli_train as cli_train
 import transformer.cli_use as cli_use
 from transformer import plots
-from transformer.cli import Terminated, main
+from transformer.cli import Terminated
 from transformer.trained import load
-from transformer.data import DataError, load_multi30k
 from transformer.sweep import Variant, read_variants
 from test_cli import TRAIN, assert_one_line_error, run
 from test_sweep import _children, sweep, write_variants
@@ -26,20 +24,6 @@ from test_sweep import _children, sweep, write_variants
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "book" / "model"          # the shipped model: 3 layers, 4 heads
 pytestmark = pytest.mark.usefixtures("keep_threads")
-
-
-def run_bytes(*argv, stdin: bytes):
-    "main(argv) with `stdin` as the bytes of a real stdin (sys.stdin.buffer): (exit code, stdout, stderr)."
-    class Stdin(io.StringIO):
-        buffer = io.BytesIO(stdin)
-    out, err, old = io.StringIO(), io.StringIO(), sys.stdin
-    sys.stdin = Stdin()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main([str(a) for a in argv])
-    finally:
-        sys.stdin = old
-    return code, out.getvalue(), err.getvalue()
 
 
 # ---- 1. translate keeps line i of the output on line i of the input ------------------------------------------------
@@ -62,7 +46,7 @@ def test_translate_keeps_empty_lines_and_splits_every_line_ending(alone, monkeyp
                         real(model, tok, texts, **kw))
     text = newline.join([SENTENCES[0], "", "  ", SENTENCES[1]]) + newline
     code, out, err = (run("translate", "--model", MODEL, "--beam", 1, stdin=text) if stdin == "text" else
-                      run_bytes("translate", "--model", MODEL, "--beam", 1, stdin=text.encode()))
+                      run("translate", "--model", MODEL, "--beam", 1, stdin=text.encode()))
     assert code == 0 and err == "", err
     assert out == alone[0] + "\n\n" + alone[1]                   # empty in, empty out, in place
     assert asked == [SENTENCES]                                   # the empty lines never reach the model
@@ -268,15 +252,6 @@ def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch
 
 
 # ---- 5. an interrupt during train's final evaluation says how to redo it ---------------------------------------------
-
-@pytest.fixture(scope="module")
-def multi30k():
-    "A missing corpus is a failure, not a skip (as in test_cli.py)."
-    try:
-        load_multi30k("de", "en", "val", progress=False)
-    except DataError as e:
-        pytest.fail(f"the training tests need Multi30k: {e}")
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name, error, code", [("SIGINT", KeyboardInterrupt, 130), ("SIGTERM", Terminated, 143)])

@@ -13,12 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from transformer.trained import load
-
 from transformer.checkpoints import load_checkpoint
-from transformer.data import DataError, load_multi30k
 from transformer.sweep import (KEEP, SweepError, Variant, collect, command_line, main, read_variants,
                                run_state)
+from transformer.trained import load
 
 ROOT = Path(__file__).resolve().parents[1]
 # a one-layer tiny model, a few steps, a few sentences: each variant takes seconds on one thread
@@ -28,15 +26,6 @@ BAD_SHAPE = ["--d-model", "100", "--heads", "3"]
 
 
 pytestmark = pytest.mark.usefixtures("keep_threads")
-
-
-@pytest.fixture(scope="module")
-def multi30k():
-    "A missing corpus is a failure, not a skip (as in test_cli.py)."
-    try:
-        load_multi30k("de", "en", "val", progress=False)
-    except DataError as e:
-        pytest.fail(f"the sweep tests need Multi30k: {e}")
 
 
 def sweep(*argv):
