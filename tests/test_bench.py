@@ -1,4 +1,4 @@
-"""transformer.bench: the reference computes our function, the FLOP count and the memory probe are exact,
+"""transformer.cli.bench: the reference computes our function, the FLOP count and the memory probe are exact,
 and the benchmark runs end to end on real Multi30k batches, feeding both models the same inputs.
 No assertion here reads a clock."""
 import errno
@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.devices import cpu_has_bf16_units
+from transformer.engine.devices import cpu_has_bf16_units
 from torch.utils.flop_counter import FlopCounterMode
 
-from transformer import bench
-from transformer.measure import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
+from transformer.cli import bench
+from transformer.cli.measure import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
                                resolve_device, train_flops, train_step)
 from transformer.decoding import greedy_search
 from transformer.masking import causal_mask
@@ -264,7 +264,7 @@ def test_bad_values_in_python():
 
 
 def test_python_m_transformer_dispatches_bench(capsys):
-    "`python -m transformer bench ...` reaches transformer.bench (wired in the hand-written __main__.py)."
+    "`python -m transformer bench ...` reaches transformer.cli.bench (wired in the hand-written __main__.py)."
     from transformer.__main__ import main as entry
 
     with pytest.raises(SystemExit) as exc:

@@ -20,7 +20,7 @@ CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
 
 
 def _chart_specs(notebook: Path) -> list[dict]:
-    "The Vega-Lite specs of the charts stored in a notebook's outputs (see transformer.viz)."
+    "The Vega-Lite specs of the charts stored in a notebook's outputs (see transformer.figures.viz)."
     specs = []
     for cell in json.loads(notebook.read_text())["cells"]:
         for out in cell.get("outputs", []):
@@ -276,7 +276,7 @@ def test_search_works_offline_in_a_browser(browser, built_book, tmp_path):
 def test_the_vega_bundle_follows_charts_not_the_source_that_shows_them(tmp_path):
     """A page that shows the renderer's template as highlighted source has no chart and gets no
     bundle, whatever the highlighter escapes; a page with a chart's HTML output gets it."""
-    from transformer.viz import _TEMPLATE, chart_html
+    from transformer.figures.viz import _TEMPLATE, chart_html
 
     src = tmp_path / "src"
     src.mkdir()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.cli import main
+from transformer.cli.commands import main
 from transformer.data import DataError, load_multi30k
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -190,7 +190,7 @@ def _broken_runs(tmp_path):
     (tmp_path / "halfrun").mkdir()
     torch.save({}, tmp_path / "halfrun" / "last.pt")
     # issue 28: files that claim to be what they are not
-    from transformer.checkpoints import CHECKPOINT_FORMAT
+    from transformer.engine.checkpoints import CHECKPOINT_FORMAT
     from transformer.model import Transformer, TransformerConfig
     config = TransformerConfig.preset("tiny", src_vocab=20, tgt_vocab=20)
     good = {"format": CHECKPOINT_FORMAT, "model_config": config.to_dict(),
@@ -359,7 +359,7 @@ BUGS = [  # (what the command raises, exit code, the last line of stderr, a trac
 @pytest.mark.parametrize("raised, code, last, traceback", BUGS, ids=[type(b[0]).__name__ for b in BUGS])
 def test_a_bug_shows_its_traceback_and_a_user_error_one_line(monkeypatch, raised, code, last, traceback):
     "Issue 28 (10): only user errors, the machine's OSErrors and running out of memory are one line."
-    from transformer import cli_use
+    from transformer.cli import use as cli_use
 
     def fail(args):
         raise raised
@@ -377,8 +377,8 @@ def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
     "`python -m transformer bench|sweep` go around cli.main (hand-written __main__.py), through the same report."
     import importlib
     from transformer.__main__ import main as entry
-    from transformer.checkpoints import RunDirectoryError
-    module = importlib.import_module(f"transformer.{command}")
+    from transformer.engine.checkpoints import RunDirectoryError
+    module = importlib.import_module(f"transformer.cli.{command}")
     for raised, code in ((AttributeError("'NoneType' object has no attribute 'pid'"), 70),
                          (RunDirectoryError("runs/a is in use by another run (pid 7)"), 1)):
         monkeypatch.setattr(module, "main", lambda argv, raised=raised: (_ for _ in ()).throw(raised))
@@ -390,7 +390,7 @@ def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
 
 def test_attend_help_states_the_limits_plots_enforces(capsys):
     "Issue 28 (6): the limits are stated in --help; plots.py holds the numbers (cli.py may not import matplotlib)."
-    plots = pytest.importorskip("transformer.plots")
+    plots = pytest.importorskip("transformer.figures.plots")
     assert main(["attend", "--help"]) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert (f"at most {plots.MAX_PIECES} pieces a side and {plots.MAX_PIXELS:,} pixels ({plots.MAX_SIDE:,} a side)"
@@ -464,7 +464,7 @@ def test_python_dash_m_runs_main():
 
 def test_keep_freed_memory_applies_on_glibc():
     import platform
-    from transformer.cli_train import keep_freed_memory
+    from transformer.cli.train import keep_freed_memory
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 
@@ -472,8 +472,8 @@ def test_keep_freed_memory_applies_on_glibc():
 # three matrices of shapes A, B, A; oneDNN's verbose mode says whether the third found its kernel in the cache
 _CACHE_PROBE = """
 import os, sys, torch
-import transformer.__main__, transformer.cli, transformer.cli_train, transformer.sweep  # noqa: F401
-from transformer.cli_train import cap_kernel_cache
+import transformer.__main__, transformer.cli.commands, transformer.cli.train, transformer.cli.sweep  # noqa: F401
+from transformer.cli.train import cap_kernel_cache
 print("set" if cap_kernel_cache(int(sys.argv[1])) else "kept", flush=True)
 for n in (8, 16, 8):
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -631,7 +631,7 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
     "The same with a real full file system (a 64 KiB tmpfs), where the machine lets us mount one."
     import errno
     from transformer.model import Transformer, TransformerConfig
-    from transformer.checkpoints import load_checkpoint, save_checkpoint, SaveError
+    from transformer.engine.checkpoints import load_checkpoint, save_checkpoint, SaveError
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
@@ -652,7 +652,7 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
 
 def test_second_process_is_refused_while_a_run_holds_the_directory(trained, tmp_path):
     out = _copy(trained, tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
                                f"with run_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -680,7 +680,7 @@ def test_two_trainings_into_one_directory(multi30k, tmp_path):
     assert err.count("\n") == 1 and ("is in use by another run (pid" in err or "already holds a run" in err
                                      or "holds files of another run" in err), err
     config = json.loads((out / "config.json").read_text())
-    from transformer.checkpoints import load_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint
     state = load_checkpoint(out / "last.pt")
     from transformer.data import sha256_file
     assert state["run"]["tokenizer_sha256"] == sha256_file(out / "tokenizer.model")
@@ -707,7 +707,7 @@ def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     err = proc.stderr.read()
     assert code == 128 + signal.SIGTERM, err
     last = err.strip().splitlines()[-1]
-    from transformer.checkpoints import load_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint
     step = load_checkpoint(out / "last.pt")["progress"]["step"]
     assert last.startswith(f"SIGTERM at step {step}: saved {out / 'last.pt'}; continue with: python -m transformer train")
     assert last.endswith("--resume") and step >= 3 and "Traceback" not in err
@@ -726,7 +726,7 @@ def _safetensors(path):
 def test_export_writes_a_model_as_the_field_ships_one(trained, tmp_path):
     "Issue 29: model.safetensors (float16, tied tensors once), config.json, tokenizer.model, results.json, a card."
     from transformer.data import sha256_file
-    from transformer.checkpoints import load_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint
     out = tmp_path / "model"
     code, stdout, err = run("export", "--model", trained[0], "--out", out)
     assert code == 0, err
@@ -797,8 +797,8 @@ SHAPE = ["--d-model", 32, "--d-ff", 48, "--heads", 2, "--d-k", 8, "--layers", 1,
     (["--attention-dropout", "0.1", "--ffn-dropout", "0.2"], dict(attention_dropout=0.1, ffn_dropout=0.2, dropout=0.1)),
 ])
 def test_shape_flags_set_the_model_config(flags, want):
-    from transformer.cli import build_parser
-    from transformer.cli_train import _configs
+    from transformer.cli.commands import build_parser
+    from transformer.cli.train import _configs
     args = build_parser().parse_args(["train", "--preset", "tiny", *flags])
     model_config, _ = _configs(args, 300)
     assert {k: getattr(model_config, k) for k in want} == want
@@ -814,7 +814,7 @@ def shaped(multi30k, tmp_path_factory):
 
 
 def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
-    from transformer.checkpoints import load_checkpoint, model_from_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint, model_from_checkpoint
     from transformer.model import Transformer, TransformerConfig
     config = json.loads((shaped / "config.json").read_text())
     want = dict(d_model=32, d_ff=48, h=2, d_k=8, n_layers=1, positions="learned", norm_first=False)
@@ -847,7 +847,7 @@ def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_p
 @pytest.mark.slow
 def test_a_run_from_before_subword_dropout_resumes(multi30k, tmp_path):
     "config.json and last.pt without the field: the run trained with its default, 0."
-    from transformer.checkpoints import load_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint
     out = tmp_path / "run"
     code, _, err = run(*SHORT, "--out", out)
     assert code == 0, err

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import transformer.cli_train as cli_train
-import transformer.cli_use as cli_use
-from transformer import plots
-from transformer.cli import Terminated
-from transformer.trained import load
-from transformer.sweep import Variant, read_variants
+import transformer.cli.train as cli_train
+import transformer.cli.use as cli_use
+from transformer.figures import plots
+from transformer.cli.commands import Terminated
+from transformer.engine.trained import load
+from transformer.cli.sweep import Variant, read_variants
 from test_cli import TRAIN, assert_one_line_error, run
 from test_sweep import _children, sweep, write_variants
 
@@ -200,7 +200,7 @@ def test_a_variant_file_with_a_byte_order_mark_is_read(tmp_path):
 
 def _hold(run_dir: Path) -> subprocess.Popen:
     "A process that holds the run directory's lock (a live run), once it has printed 'held'."
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
                                "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
                                str(run_dir)], stdout=subprocess.PIPE, text=True)
     assert holder.stdout.readline().strip() == "held"
@@ -227,7 +227,7 @@ def test_retry_failed_leaves_a_held_failed_run_alone(tmp_path, monkeypatch):
 # a stand-in for a variant's command: it starts a process that takes the run's lock (say, `train --out` typed by hand
 # into the same directory) and ends with an error, which the sweep then cannot record
 TAKE_AND_FAIL = """import subprocess, sys
-holder = subprocess.Popen([sys.executable, "-c", "import sys, time\\nfrom transformer.checkpoints import run_lock\\n"
+holder = subprocess.Popen([sys.executable, "-c", "import sys, time\\nfrom transformer.engine.checkpoints import run_lock\\n"
                            "with run_lock(sys.argv[1]):\\n    print('held', flush=True)\\n    time.sleep(60)",
                            sys.argv[1]], stdout=subprocess.PIPE, text=True, start_new_session=True)
 assert holder.stdout.readline().strip() == "held"

@@ -8,8 +8,8 @@ from transformer.decoding import beam_search, greedy_search, length_penalty, tra
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 from transformer.training import TrainConfig
-from transformer.loop import train
-from transformer.checkpoints import model_from_checkpoint
+from transformer.engine.loop import train
+from transformer.engine.checkpoints import model_from_checkpoint
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from transformer.devices import Precision, all_sum, choose_precision, prefetch, world
+from transformer.engine.devices import Precision, all_sum, choose_precision, prefetch, world
 
 
 def test_choose_precision_on_each_kind_of_device(monkeypatch):
@@ -27,7 +27,7 @@ def test_choose_precision_on_each_kind_of_device(monkeypatch):
 
 
 def test_a_cpu_without_bf16_units_is_warned(monkeypatch):
-    import transformer.devices as devices
+    import transformer.engine.devices as devices
     monkeypatch.setattr(devices, "cpu_has_bf16_units", lambda: False)
     with pytest.warns(UserWarning, match="without bf16 instructions"):
         choose_precision("cpu", cpu_bf16=True)

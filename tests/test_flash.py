@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from transformer.attention import attention
-from transformer.flash import peak_tensor_bytes, tiled_attention
+from transformer.modern.flash import peak_tensor_bytes, tiled_attention
 
 # (B, h, T_q, T_k, d_k, d_v, block_q, block_k): tiles that divide the lengths, tiles that
 # don't, tiles larger than the input, single-row tiles, T_q != T_k both ways

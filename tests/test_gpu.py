@@ -15,7 +15,7 @@ from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
 from transformer.training import collate
 from transformer.training import TrainConfig
-from transformer.loop import _Loop, train
+from transformer.engine.loop import _Loop, train
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -147,8 +147,8 @@ def test_nccl_ddp_matches_one_process(tmp_path):
 
 def test_bench_on_the_gpu_prints_tokens_per_second_and_mfu(capsys):
     "The benchmark on CUDA: both models timed side by side, MFU against the device's assumed peak."
-    from transformer import bench
-    from transformer.measure import assumed_peak_tflops
+    from transformer.cli import bench
+    from transformer.cli.measure import assumed_peak_tflops
     assert bench.main(["--device", "cuda", "--preset", "small", "--repeats", "2", "--vocab-size", "2000",
                        "--decode-sentences", "8"]) == 0
     out = capsys.readouterr().out

@@ -5,9 +5,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.gqa import GroupedQueryAttention, KVCache
+from transformer.modern.gqa import GroupedQueryAttention, KVCache
 from transformer.heads import MultiHeadAttention
-from transformer.rope import apply_rope, rope_cos_sin
+from transformer.modern.rope import apply_rope, rope_cos_sin
 
 D, H = 48, 6
 

@@ -5,7 +5,7 @@ and bad inputs."""
 import pytest
 import torch
 
-from transformer.llama import (Llama, LlamaConfig, from_hf_state_dict, generate,
+from transformer.modern.llama import (Llama, LlamaConfig, from_hf_state_dict, generate,
                                hf_config_dict, to_hf_state_dict)
 
 transformers = pytest.importorskip("transformers")
@@ -112,7 +112,7 @@ def test_hf_round_trip_and_plain_tensors():
 
 
 def test_package_does_not_import_transformers():
-    import transformer.llama as module
+    import transformer.modern.llama as module
     source = open(module.__file__).read()
     assert "import transformers" not in source and "from transformers" not in source
 

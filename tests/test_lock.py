@@ -117,15 +117,15 @@ def test_binder_has_the_lock_with_the_cpu_build_of_the_same_torch():
 def test_without_the_figures_extra_the_error_names_it(module, missing, monkeypatch):
     import importlib
 
-    import transformer
-    from transformer.cli import CLIError
-    from transformer.cli_use import _plots
+    import transformer.figures
+    from transformer.cli.commands import CLIError
+    from transformer.cli.use import _plots
 
     monkeypatch.setitem(sys.modules, missing, None)                   # as if not installed
-    monkeypatch.delitem(sys.modules, f"transformer.{module}", raising=False)
-    monkeypatch.delattr(transformer, module, raising=False)
+    monkeypatch.delitem(sys.modules, f"transformer.figures.{module}", raising=False)
+    monkeypatch.delattr(transformer.figures, module, raising=False)
     with pytest.raises(ImportError, match=re.escape("pip install 'transformer-book[figures]'")):
-        importlib.import_module(f"transformer.{module}")
+        importlib.import_module(f"transformer.figures.{module}")
     if module == "plots":                                             # `plot` and `attend` say so
         with pytest.raises(CLIError, match=re.escape("'transformer-book[figures]'")):
             _plots()

@@ -445,7 +445,7 @@ def test_cached_decoding_reads_the_position_table(positions, monkeypatch):
 @pytest.mark.slow
 def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
     "save_checkpoint then model_from_checkpoint: the same config and bit-identical outputs (learned positions saved)."
-    from transformer.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
     m = variant(positions, d_k, norm_first, seed=7)
     save_checkpoint(tmp_path / "m.pt", m)
     state = load_checkpoint(tmp_path / "m.pt")
@@ -467,7 +467,7 @@ def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
 
 def test_checkpoint_from_before_the_new_fields_loads(tmp_path):
     "An old checkpoint's model_config has no positions/d_k: it loads as the paper's model (sinusoids, d_model/h)."
-    from transformer.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from transformer.engine.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
     m = variant(seed=9)
     save_checkpoint(tmp_path / "m.pt", m)
     state = load_checkpoint(tmp_path / "m.pt")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from transformer.blocks import FeedForward
-from transformer.moe import MoEFeedForward, load_balancing_loss
+from transformer.modern.moe import MoEFeedForward, load_balancing_loss
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

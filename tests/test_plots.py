@@ -17,12 +17,12 @@ matplotlib.use("Agg")   # no display, whatever the environment says
 import pytest
 import torch
 
-from transformer import plots
-from transformer.cli import main
-from transformer.trained import load
+from transformer.figures import plots
+from transformer.cli.commands import main
+from transformer.engine.trained import load
 from transformer.decoding import translate
 from transformer.positions import sinusoidal_encoding
-from transformer.checkpoints import read_metrics
+from transformer.engine.checkpoints import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "book" / "results"

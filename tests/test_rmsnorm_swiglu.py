@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from transformer.rmsnorm_swiglu import RMSNorm, SwiGLU, swiglu_d_ff
+from transformer.modern.rmsnorm_swiglu import RMSNorm, SwiGLU, swiglu_d_ff
 
 
 @pytest.mark.parametrize("eps", [1e-6, 1e-5])

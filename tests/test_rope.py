@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer.positions import sinusoidal_encoding
-from transformer.rope import apply_rope, rope_cos_sin, rope_frequencies
+from transformer.modern.rope import apply_rope, rope_cos_sin, rope_frequencies
 
 
 def _rotate(x, offset=0, base=10000.0):

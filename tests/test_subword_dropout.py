@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from transformer.data import load_multi30k
-from transformer.loop import train
+from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, UNK, Tokenizer
 from transformer.training import SubwordDropout, TrainConfig, make_examples, merge_children

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from transformer.checkpoints import load_checkpoint
-from transformer.sweep import (KEEP, SweepError, Variant, collect, command_line, main, read_variants,
+from transformer.engine.checkpoints import load_checkpoint
+from transformer.cli.sweep import (KEEP, SweepError, Variant, collect, command_line, main, read_variants,
                                run_state)
-from transformer.trained import load
+from transformer.engine.trained import load
 
 ROOT = Path(__file__).resolve().parents[1]
 # a one-layer tiny model, a few steps, a few sentences: each variant takes seconds on one thread
@@ -110,8 +110,8 @@ def test_good_variant_file_and_defaults(tmp_path):
 
 def test_the_committed_variant_file_is_valid():
     "Every variant of the book's sweep parses as a train (or evaluate) command and gives a valid model config."
-    from transformer.cli import build_parser
-    from transformer.cli_train import _configs
+    from transformer.cli.commands import build_parser
+    from transformer.cli.train import _configs
     base, variants = read_variants(ROOT / "book" / "results" / "claims" / "variants.json")
     assert len({v.name for v in variants}) == len(variants) > 1
     plain = _configs(build_parser().parse_args(["train", *base]), 8000)
@@ -132,8 +132,8 @@ def test_the_committed_variant_files_still_ask_for_the_committed_runs(sweep_dir)
     "one command reproduces them" would quietly train something else."""
     from dataclasses import asdict, fields
 
-    from transformer.cli import build_parser
-    from transformer.cli_train import _configs
+    from transformer.cli.commands import build_parser
+    from transformer.cli.train import _configs
     results = ROOT / "book" / "results" / sweep_dir
     base, variants = read_variants(results / "variants.json")
     checked = 0
@@ -375,7 +375,7 @@ def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
 def _children(monkeypatch, commands: dict[str, list[str]]):
     """Run these variants' children as the given commands (cheap stand-ins for train and evaluate); the jobs
     the sweep starts are collected in the returned list."""
-    import transformer.sweep as sw
+    import transformer.cli.sweep as sw
     real, jobs = sw.command_line, []
     monkeypatch.setattr(sw, "command_line", lambda v, *a, **k: commands.get(v.name) or real(v, *a, **k))
     init = sw._Job.__init__
@@ -393,7 +393,7 @@ def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
     (out / "a").mkdir(parents=True)
     for name in ("config.json", "tokenizer.model"):                       # a new run's first files, no last.pt yet
         (out / "a" / name).write_text("{}")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.checkpoints import run_lock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
                                "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
                                str(out / "a")], stdout=subprocess.PIPE, text=True)
     try:
@@ -427,7 +427,7 @@ def test_output_the_sweep_cannot_parse_is_a_failure_and_the_sweep_goes_on(tmp_pa
 
 def test_no_child_outlives_the_sweep(tmp_path, monkeypatch):
     "Whatever ends the sweep (here a bug of ours in finishing a job), it ends the children it started."
-    import transformer.sweep as sw
+    import transformer.cli.sweep as sw
     jobs = _children(monkeypatch, {"quick": [sys.executable, "-c", "pass"],
                                    "slow": [sys.executable, "-c", "import time; time.sleep(60)"]})
     monkeypatch.setattr(sw._Job, "finish", lambda self: 1 / 0)

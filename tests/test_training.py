@@ -16,8 +16,8 @@ from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD
 from transformer.training import collate, epoch_batches, label_smoothed_nll, my_pieces, rate, Seq2SeqLoss
 from transformer.training import TrainConfig
-from transformer.loop import train
-from transformer.checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, model_bytes,
+from transformer.engine.loop import train
+from transformer.engine.checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, model_bytes,
                                      model_from_checkpoint, read_metrics, run_lock, RunDirectoryError, save_checkpoint,
                                      SaveError, strip_prefixes, TrainingError)
 
@@ -351,11 +351,11 @@ def test_run_lock_is_exclusive_reentrant_and_leaves_nothing(tmp_path):
         assert (out / ".lock").read_text().strip() == str(os.getpid())
         with run_lock(out):                                             # the same process: re-entrant
             pass
-        other = subprocess.run([sys.executable, "-c", f"from transformer.checkpoints import run_lock\n"
+        other = subprocess.run([sys.executable, "-c", f"from transformer.engine.checkpoints import run_lock\n"
                                 f"with run_lock({str(out)!r}): pass"], capture_output=True, text=True)
         assert other.returncode == 1 and f"is in use by another run (pid {os.getpid()})" in other.stderr
     assert list(out.iterdir()) == []                                    # the lock file goes with the lock
-    other = subprocess.run([sys.executable, "-c", f"from transformer.checkpoints import run_lock\n"
+    other = subprocess.run([sys.executable, "-c", f"from transformer.engine.checkpoints import run_lock\n"
                             f"with run_lock({str(out)!r}): print('ok')"], capture_output=True, text=True)
     assert other.stdout == "ok\n", other.stderr
 
@@ -393,7 +393,7 @@ def test_atomic_write_failure_leaves_the_old_file_and_no_temp(tmp_path):
     def spy(src, dst):
         names.add(Path(src).name)
         real_replace(src, dst)
-    import transformer.checkpoints as checkpoints_module
+    import transformer.engine.checkpoints as checkpoints_module
     checkpoints_module.os.replace = spy
     try:
         for _ in range(3):
@@ -426,7 +426,7 @@ def test_model_bytes_bounds_the_real_model(preset):
 
 def test_check_resumable_reads_a_checkpoint_from_before_the_shape_fields(tmp_path):
     "A last.pt whose model_config lacks positions and d_k is the paper's model; a real difference is still refused."
-    from transformer.checkpoints import check_resumable
+    from transformer.engine.checkpoints import check_resumable
     config = TrainConfig(batch_tokens=512, max_steps=20)
     model = Transformer(tiny_config())
     saved = {"model_config": model.config.to_dict(), "train_config": asdict(config)}
@@ -490,7 +490,7 @@ def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monk
     """On a fake clock where a step takes 1 s and an evaluation 5 s, a run stops while one more
     step and the final evaluation still fit: it reports at most its budget."""
     import types
-    import transformer.loop as loop
+    import transformer.engine.loop as loop
     now = [0.0]
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
     step = loop._Loop.step
@@ -575,7 +575,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 # --- checkpoint averaging, CPU bf16 -----------------------------------------------------------
 
 def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
-    from transformer.loop import average_checkpoints
+    from transformer.engine.loop import average_checkpoints
     torch.manual_seed(0)
     model = Transformer(tiny_config(0.1))
     train(model, copy_examples(200), copy_examples(20, seed=3),
@@ -598,7 +598,7 @@ def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
 
 def test_average_checkpoints_accepts_snapshots_from_before_a_new_config_field(tmp_path):
     "A run resumed under a newer package averages its older snapshots too (fields get defaults)."
-    from transformer.loop import average_checkpoints
+    from transformer.engine.loop import average_checkpoints
     torch.manual_seed(0)
     model = Transformer(tiny_config())
     save_checkpoint(tmp_path / "a.pt", model)
@@ -616,7 +616,7 @@ def test_average_checkpoints_accepts_snapshots_from_before_a_new_config_field(tm
 
 
 def test_average_checkpoints_refuses_mixed_models(tmp_path):
-    from transformer.loop import average_checkpoints
+    from transformer.engine.loop import average_checkpoints
     save_checkpoint(tmp_path / "a.pt", Transformer(tiny_config()))
     save_checkpoint(tmp_path / "b.pt", Transformer(TransformerConfig(**{**tiny_config().to_dict(), "d_ff": 32})))
     with pytest.raises(CheckpointError, match="different model"):
@@ -635,7 +635,7 @@ def test_snapshot_config_validation(kwargs, match):
 
 
 def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
-    from transformer.devices import cpu_has_bf16_units
+    from transformer.engine.devices import cpu_has_bf16_units
     assert isinstance(cpu_has_bf16_units(), bool)
     losses = {}
     for bf16 in (False, True):
@@ -664,7 +664,7 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
     (None, None, False),        # a torch without the private probes
 ])
 def test_cpu_has_bf16_units_asks_both_probes(monkeypatch, amx, avx512_bf16, expected):
-    from transformer.devices import cpu_has_bf16_units
+    from transformer.engine.devices import cpu_has_bf16_units
 
     def probe(answer):
         if answer is None:
@@ -753,7 +753,7 @@ def test_seq2seq_loss_equals_the_explicit_masked_path():
 # --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
 
 from transformer.training import cross_entropy_sums
-from transformer.loop import check_examples
+from transformer.engine.loop import check_examples
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
@@ -833,7 +833,7 @@ def test_train_checks_token_ids_once_at_the_data_boundary():
 
 def test_load_optimizer_state_keeps_this_devices_kernel():
     from transformer.training import make_optimizer
-    from transformer.checkpoints import load_optimizer_state
+    from transformer.engine.checkpoints import load_optimizer_state
     model = Transformer(tiny_config())
     old = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)  # a checkpoint of an older run
     model(torch.tensor([[4, 5, EOS]]), torch.tensor([[BOS, 4]])).sum().backward()

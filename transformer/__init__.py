@@ -1,8 +1,8 @@
 """The Transformer of "Attention Is All You Need" (Vaswani et al., 2017), built chapter by chapter.
 
 Hand-written (the rest of the package is generated from book/ by nbdev-export): the public API,
-each name from the chapter that builds it. Figures live in `transformer.viz` (imports altair) and
-`transformer.plots` (matplotlib images of runs and models).
+each name from the chapter that builds it. Figures live in `transformer.figures.viz` (imports altair) and
+`transformer.figures.plots` (matplotlib images of runs and models).
 """
 __version__ = "0.1.0"
 
@@ -15,5 +15,5 @@ from .blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward   
 from .masking import causal_mask, decoder_mask, padding_mask, teacher_forcing       # 07
 from .model import PRESETS, Transformer, TransformerConfig                          # 07
 from .training import TrainConfig                                                   # 08
-from .loop import TrainResult, train                                                # 08.1
-from .trained import TrainedModel, load                                             # E.1 a trained model
+from .engine.loop import TrainResult, train                                                # 08.1
+from .engine.trained import TrainedModel, load                                             # E.1 a trained model

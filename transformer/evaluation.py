@@ -13,9 +13,9 @@ from sacrebleu.metrics import BLEU, CHRF
 from .tokens import Tokenizer
 from .model import Transformer
 from .decoding import translate
-from .devices import world
-from .loop import average_checkpoints
-from .checkpoints import model_from_checkpoint, save_checkpoint
+from .engine.devices import world
+from .engine.loop import average_checkpoints
+from .engine.checkpoints import model_from_checkpoint, save_checkpoint
 
 # %% auto #0
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback', 'averaging_windows', 'final_evaluation']

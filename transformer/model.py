@@ -137,7 +137,7 @@ class Transformer(nn.Module):
         c = self.config = config
         if c.arch != "encoder-decoder":
             raise ValueError(f"Transformer builds the encoder-decoder; arch={c.arch!r} is "
-                             "chapter 19.1's DecoderOnly (transformer.gpt.build_model "
+                             "chapter 19.1's DecoderOnly (transformer.modern.gpt.build_model "
                              "builds either)")
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)

@@ -1,7 +1,7 @@
 """Sphinx extension: the book's scripts ship with the book, so every page works offline.
 
 - Vega, Vega-Lite and Vega-Embed: altair's default HTML loads them from a CDN. The book's charts
-  (see `transformer.viz`) call the global `vegaEmbed` instead; this extension writes the
+  (see `transformer.figures.viz`) call the global `vegaEmbed` instead; this extension writes the
   libraries, bundled by vl-convert, to `_static/vega-bundle.js` at build time and adds it to the
   pages that have a chart (about 1 MB that the other pages do not load): a page has one when its
   document holds the renderer's HTML output (`has_chart`), never when it merely shows its
@@ -61,7 +61,7 @@ html[data-theme="dark"] .book-chart {
 """
 
 
-CHART = 'class="book-chart"'   # what transformer.viz's renderer writes on each chart's div
+CHART = 'class="book-chart"'   # what transformer.figures.viz's renderer writes on each chart's div
 
 
 def has_chart(doctree) -> bool:
