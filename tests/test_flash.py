@@ -1,6 +1,7 @@
 """Chapter 16: tiled attention (the online softmax) equals chapter 2's attention, and its
 memory does not grow with the square of the length."""
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -151,7 +152,7 @@ def test_autograd_gives_chapter_2s_gradients():
         a, b, c = (t.clone().requires_grad_() for t in (q, k, v))
         fn(a, b, c).square().sum().backward()
         grads.append([a.grad, b.grad, c.grad])
-    for ours, ref in zip(*grads[::-1]):
+    for ours, ref in zip(*grads[::-1], strict=True):
         assert (ours - ref).abs().max() < 1e-12
     # and no NaN gradient through a fully masked row
     mask[0, :, 3] = False
@@ -166,9 +167,9 @@ def test_plain_peak_is_two_score_matrices_and_tiled_peak_does_not_grow():
     for T in (64, 128, 256):
         q, k, v = (torch.randn(B, h, T, d) for _ in range(3))
         output = B * h * T * d * 4
-        plain[T] = peak_tensor_bytes(lambda: attention(q, k, v)) - output
+        plain[T] = peak_tensor_bytes(partial(attention, q, k, v)) - output
         tiled[T] = peak_tensor_bytes(
-            lambda: tiled_attention(q, k, v, block_q=tile, block_k=tile)) - output
+            partial(tiled_attention, q, k, v, block_q=tile, block_k=tile)) - output
         assert plain[T] == 2 * B * h * T * T * 4
     assert plain[256] == 4 * plain[128] == 16 * plain[64]
     assert tiled[64] == tiled[128] == tiled[256] < B * h * tile * tile * 4 * 8

@@ -5,8 +5,14 @@ and bad inputs."""
 import pytest
 import torch
 
-from transformer.modern.llama import (Llama, LlamaConfig, from_hf_state_dict, generate,
-                               hf_config_dict, to_hf_state_dict)
+from transformer.modern.llama import (
+    Llama,
+    LlamaConfig,
+    from_hf_state_dict,
+    generate,
+    hf_config_dict,
+    to_hf_state_dict,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -107,7 +113,7 @@ def test_hf_round_trip_and_plain_tensors():
     state = to_hf_state_dict(ours)
     assert all(type(t) is torch.Tensor and not t.requires_grad for t in state.values())
     back = from_hf_state_dict(ours.config, state)
-    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values()):
+    for (name, a), b in zip(ours.state_dict().items(), back.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
 
 

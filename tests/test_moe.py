@@ -1,12 +1,13 @@
 """Chapter 18: the mixture-of-experts feed-forward layer and the Switch load-balancing
 loss."""
 
+from itertools import pairwise
+
 import pytest
 import torch
 
 from transformer.blocks import FeedForward
 from transformer.modern.moe import MoEFeedForward, load_balancing_loss
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,7 +20,7 @@ def per_token(moe: MoEFeedForward, x: torch.Tensor) -> torch.Tensor:
         top = p.topk(moe.k)
         g = top.values / top.values.sum() if moe.renormalize else top.values
         rows.append(sum(g_i * moe.experts[i](token)
-                        for g_i, i in zip(g, top.indices.tolist())))
+                        for g_i, i in zip(g, top.indices.tolist(), strict=True)))
     return torch.stack(rows).reshape(x.shape)
 
 
@@ -61,7 +62,7 @@ def test_gradients_equal_the_per_token_loop():
         moe.zero_grad()
         fn(x).square().sum().backward()
         grads.append([p.grad.clone() for p in moe.parameters()])
-    for ours, ref in zip(*grads):
+    for ours, ref in zip(*grads, strict=True):
         assert (ours - ref).abs().max() < 1e-12
     assert grads[0][0].abs().sum() > 0               # the router learns from the task
 
@@ -119,7 +120,7 @@ def test_aux_loss_is_one_for_uniform_routing_and_grows_with_skew():
     for skew in (0.0, 2.0, 4.0, 8.0):
         probs = (torch.randn(4096, E, generator=g) - skew * torch.arange(E) / E).softmax(-1)
         values.append(load_balancing_loss(probs, probs.topk(2).indices).item())
-    assert values[0] < 1.01 and all(a < b for a, b in zip(values, values[1:]))
+    assert values[0] < 1.01 and all(a < b for a, b in pairwise(values))
 
 
 def test_aux_loss_is_hugging_face_mixtral_divided_by_k():

@@ -22,6 +22,7 @@ import ast
 import json
 import re
 import textwrap
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,7 @@ class Scanner:
         if isinstance(test, ast.Compare):          # pairwise: `0 < t` is true on every machine
             sides = [test.left, *test.comparators]
             return any((self.mentions(a) or self.mentions(b)) and not (_is_zero(a) or _is_zero(b))
-                       for a, b in zip(sides, sides[1:]))
+                       for a, b in pairwise(sides))
         return self.mentions(test)
 
     def assign(self, target, tainted: bool, kill: bool = True):
@@ -102,7 +103,7 @@ class Scanner:
             for target in s.targets:
                 if isinstance(target, ast.Tuple) and isinstance(s.value, ast.Tuple) and \
                         len(target.elts) == len(s.value.elts):
-                    for t, v in zip(target.elts, s.value.elts):
+                    for t, v in zip(target.elts, s.value.elts, strict=True):
                         self.assign(t, self.mentions(v))
                 else:
                     self.assign(target, self.mentions(s.value))

@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from transformer.positions import sinusoidal_encoding
 from transformer.modern.rope import apply_rope, rope_cos_sin, rope_frequencies
+from transformer.positions import sinusoidal_encoding
 
 
 def _rotate(x, offset=0, base=10000.0):

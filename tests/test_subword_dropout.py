@@ -45,7 +45,7 @@ def test_each_epoch_is_a_new_segmentation_of_the_same_text(tok, pairs):
     e0, e1 = data(0), data(1)
     assert len(e0) == len(e1) == len(pairs)
     assert e0 != e1 and e0 != fixed                       # new draws each epoch
-    for (s, t), (fs, ft) in zip(e1, fixed):              # the pieces change, never the text
+    for (s, t), (fs, ft) in zip(e1, fixed, strict=True):  # the pieces change, never the text
         assert tok.decode(s) == tok.decode(fs) and tok.decode(t) == tok.decode(ft)
         assert s[-1] == fs[-1] == EOS and t[0] == ft[0] == BOS and t[-1] == EOS
         assert len(s) >= len(fs) and len(t) >= len(ft)   # undoing merges only splits
@@ -128,7 +128,7 @@ def test_the_loop_resumes_a_run_with_subword_dropout_exactly(tok, pairs, tmp_pat
     losses = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()
                         if json.loads(l)["kind"] == "train"]
     assert b.step == 20 and losses(tmp_path / "b") == losses(tmp_path / "a")
-    for p, q in zip(model_a.state_dict().values(), model_b.state_dict().values()):
+    for p, q in zip(model_a.state_dict().values(), model_b.state_dict().values(), strict=True):
         assert torch.equal(p, q)
     # the same run on fixed ids trains on other batches
     fixed = train(small_model(tok), make_examples(tok, pairs[:150]), None, quick(subword_dropout=0.0),

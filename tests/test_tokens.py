@@ -3,15 +3,14 @@ import math
 import os
 import pickle
 import random
-from pathlib import Path
+from itertools import pairwise
 
 import pytest
 import sentencepiece as spm
 import torch
 
 from transformer.data import load_multi30k
-from transformer.tokens import (BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch,
-                                token_batches)
+from transformer.tokens import BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch, token_batches
 
 
 def multi30k(split: str):
@@ -231,7 +230,7 @@ def test_batches_are_nearly_full():
     "Greedy packing: adding the next pair of the sorted order would have broken the budget."
     src, tgt = random_pairs(2000, 0)
     batches = token_batches(src, tgt, 1000, shuffle=False)
-    for b, nxt in zip(batches, batches[1:]):
+    for b, nxt in pairwise(batches):
         assert cost(b + nxt[:1], src, tgt) > 1000
 
 
