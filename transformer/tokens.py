@@ -266,7 +266,7 @@ def token_batches(src: Sequence[Sequence[int]],
         raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
     if not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
-    cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens)]
+    cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens, strict=True)]
     longest = max(range(len(cost)), key=cost.__getitem__)
     if cost[longest] > max_tokens:
         raise ValueError(f"pair {longest} has {cost[longest]} tokens, more than "
