@@ -1,4 +1,6 @@
-"Blocks: FFN, encoder/decoder layers and stacks against torch.nn in float64; plumbing; errors."
+"""Blocks: FFN, `residual`, encoder/decoder layers and stacks against torch.nn in float64; the KV caches.
+The blocks trust their callers (inputs are checked by `TransformerConfig` and `Transformer`);
+appendix D's fast dropout is tested in test_fast.py."""
 import pytest
 import torch
 from torch import nn
@@ -98,9 +100,9 @@ def test_stacks_match_torch(norm_first):
     randomize_norms(enc); randomize_norms(dec)
     ref = nn.Transformer(D, H, n, n, D_FF, dropout=0.0, batch_first=True, norm_first=norm_first,
                          dtype=torch.float64).eval()
-    for a, b in zip(enc.layers, ref.encoder.layers):
+    for a, b in zip(enc.layers, ref.encoder.layers, strict=True):
         copy_layer(a, b)
-    for a, b in zip(dec.layers, ref.decoder.layers):
+    for a, b in zip(dec.layers, ref.decoder.layers, strict=True):
         copy_layer(a, b)
     if norm_first:   # pre-LN: both have a final norm
         ref.encoder.norm.load_state_dict(enc.norm.state_dict())
@@ -169,108 +171,58 @@ def test_dropout_is_active_in_training_only():
     assert torch.equal(layer(x), layer(x))
 
 
-@pytest.mark.parametrize("call, exc, match", [
-    (lambda: EncoderLayer(30, 4, 64), ValueError, r"d_model=30 is not divisible by h=4"),
-    (lambda: Encoder(D, H, D_FF, 0), ValueError, r"n_layers=0"),
-    (lambda: Decoder(D, H, D_FF, 2.5), ValueError, r"n_layers=2.5"),
-    (lambda: Encoder(D, H, D_FF, 1)(torch.zeros(2, 3, 16)), ValueError, r"x must have shape \(B, T, d_model=32\)"),
-    (lambda: Decoder(D, H, D_FF, 1)(torch.zeros(2, 3, D), torch.zeros(3, 4, D)), ValueError,
-     r"memory has batch size 3 but y has 2"),
-    (lambda: Decoder(D, H, D_FF, 1)(torch.zeros(2, 3, D), torch.zeros(2, 4)), ValueError, r"memory must have shape"),
-    (lambda: Encoder(D, H, D_FF, 1)(torch.zeros(2, 3, D), torch.ones(2, 1, 1, 3)), TypeError, r"bool"),
-])
-def test_bad_inputs(call, exc, match):
-    with pytest.raises(exc, match=match):
-        call()
-
-
-# --- chapter 6's dropout: a cheaper CPU mask, fused with the residual addition ---------------------------------
-
-from transformer.blocks import Dropout, dropout_mask
-
-
-@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
-def test_dropout_mask_drops_the_rounded_p_and_keeps_the_mean(p):
+def test_residual_is_post_ln_or_pre_ln():
+    "residual(x, f, norm, dropout, norm_first): LayerNorm(x + f(x)) (the paper) or x + f(LayerNorm(x))."
+    from transformer.blocks import residual
     torch.manual_seed(0)
-    m = dropout_mask(torch.empty(2000, 1000, dtype=torch.float64), p)
-    p_rounded = round(p * 2**15) / 2**15
-    share = (m == 0).double().mean().item()
-    assert abs(share - p_rounded) < 5 * (p_rounded * (1 - p_rounded) / m.numel()) ** 0.5
-    assert set(m.unique().tolist()) == {0.0, 1 / (1 - p_rounded)}
-    assert abs(m.mean().item() - 1) < 0.005
+    norm, ffn = nn.LayerNorm(D).double(), FeedForward(D, D_FF).double()
+    randomize_norms(norm)
+    x = torch.randn(2, 5, D, dtype=torch.float64)
+    keep = nn.Identity()
+    assert torch.equal(residual(x, ffn, norm, keep, norm_first=False), norm(x + ffn(x)))
+    assert torch.equal(residual(x, ffn, norm, keep, norm_first=True), x + ffn(norm(x)))
+    drop = nn.Dropout(0.5).train()                                  # the dropout wraps the sub-layer's output
+    torch.manual_seed(1); got = residual(x, ffn, norm, drop, norm_first=True)
+    torch.manual_seed(1); assert torch.equal(got, x + drop(ffn(norm(x))))
 
 
-def test_dropout_mask_odd_sizes_dtype_and_bad_p():
-    for shape in [(1,), (3, 5), (7, 1, 3)]:                      # not a multiple of 4 entries
-        m = dropout_mask(torch.empty(shape), 0.5, torch.bfloat16)
-        assert m.shape == shape and m.dtype == torch.bfloat16
-    for p in (-0.1, 1.0):
-        with pytest.raises(ValueError, match=r"dropout probability p=.* must be in \[0, 1\)"):
-            dropout_mask(torch.empty(3), p)
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_layers_use_torch_dropout_until_sped_up(norm_first):
+    "The layers are built from nn.Dropout (appendix D's speed_up swaps in the fast one)."
+    enc = EncoderLayer(D, H, D_FF, dropout=0.3, norm_first=norm_first)
+    dec = DecoderLayer(D, H, D_FF, dropout=0.3, norm_first=norm_first)
+    for layer, names in ((enc, ("dropout1", "dropout2")), (dec, ("dropout1", "dropout2", "dropout3"))):
+        assert all(type(getattr(layer, n)) is nn.Dropout and getattr(layer, n).p == 0.3 for n in names)
+        assert type(layer.feed_forward.dropout) is nn.Dropout
 
 
-def test_dropout_masks_are_independent_across_positions():
-    "Neighbouring entries come from the same 64-bit draw: they must still be uncorrelated."
-    torch.manual_seed(1)
-    m = (dropout_mask(torch.empty(400_000, dtype=torch.float64), 0.5) > 0).double()
-    for lag in (1, 2, 3, 4):
-        corr = torch.corrcoef(torch.stack([m[:-lag], m[lag:]]))[0, 1].item()
-        assert abs(corr) < 0.01, (lag, corr)
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_encoder_layer_with_a_kv_cache_equals_the_causal_pass(norm_first):
+    "EncoderLayer(x, mask, cache) one token at a time (chapter 19.1's decoder-only model) = the causal mask at once."
+    from transformer.decoding import KVCache
+    torch.manual_seed(0)
+    layer = EncoderLayer(D, H, D_FF, dropout=0.0, norm_first=norm_first).double().eval()
+    randomize_norms(layer)
+    _, y, _ = inputs()
+    T = y.size(1)
+    full = layer(y, torch.ones(T, T, dtype=torch.bool).tril())
+    cache = KVCache(capacity=T)
+    steps = [layer(y[:, t:t + 1], cache=cache) for t in range(T)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-10
 
 
-def test_dropout_module_forward_gradient_residual_and_eval():
-    drop = Dropout(0.2).train()
-    x = torch.randn(300, 200, dtype=torch.float64, requires_grad=True)
-    y = torch.randn(300, 200, dtype=torch.float64, requires_grad=True)
-    torch.manual_seed(5)
-    out = drop(x)
-    torch.manual_seed(5)
-    mask = dropout_mask(x, 0.2)
-    assert torch.equal(out, x * mask)
-    out.sum().backward()
-    assert torch.equal(x.grad, mask)
-    x.grad = None
-    torch.manual_seed(6)
-    fused = drop.residual(x, y)
-    torch.manual_seed(6)
-    assert torch.allclose(fused, x + drop(y), atol=1e-12)
-    fused.sum().backward()
-    assert torch.equal(x.grad, torch.ones_like(x))               # the residual path passes the gradient through
-    torch.manual_seed(6)
-    assert torch.equal(y.grad, dropout_mask(y, 0.2))
-    drop.eval()
-    assert drop(x) is x and torch.equal(drop.residual(x, y), x + y)
-    assert torch.equal(Dropout(0.0).train().residual(x, y), x + y)
-
-
-def test_dropout_residual_mixed_precision_keeps_the_stream_dtype():
-    "Under autocast the stream is float32 and the sub-layer output bf16: the mask is float32, the result too."
-    drop = Dropout(0.1).train()
-    x, y = torch.randn(64, 32), torch.randn(64, 32).to(torch.bfloat16)
-    out = drop.residual(x, y)
-    assert out.dtype == torch.float32
-    kept = (out - x).abs() > 0
-    assert torch.allclose((out - x)[kept], y.float()[kept] * (1 / (1 - round(0.1 * 2**15) / 2**15)), rtol=1e-5, atol=1e-6)
-
-
-def test_layers_use_the_fused_residual_dropout():
-    "In training the layer's output is random (dropout), and reproducible from the seed; in eval it is not."
-    for layer, args in ((EncoderLayer(D, H, D_FF, dropout=0.3, norm_first=True), (torch.randn(2, 5, D),)),
-                        (DecoderLayer(D, H, D_FF, dropout=0.3), (torch.randn(2, 5, D), torch.randn(2, 4, D)))):
-        assert all(isinstance(getattr(layer, f"dropout{k}"), Dropout) for k in (1, 2))
-        layer.train()
-        torch.manual_seed(0); a = layer(*args)
-        torch.manual_seed(0); b = layer(*args)
-        torch.manual_seed(1); c = layer(*args)
-        assert torch.equal(a, b) and not torch.equal(a, c)
-        layer.eval()
-        assert torch.equal(layer(*args), layer(*args))
-
-
-def test_dropout_under_torch_compile_traces_pytorchs_dropout():
-    "Inside a compiled graph the module takes F.dropout (the compiler fuses it); the result is still dropout."
-    drop = Dropout(0.5).train()
-    fused = torch.compile(lambda x, y: drop.residual(x, y), backend="eager", fullgraph=True)
-    x, y = torch.zeros(200, 100), torch.ones(200, 100)
-    out = fused(x, y)
-    assert set(out.unique().tolist()) == {0.0, 2.0} and abs((out == 0).float().mean().item() - 0.5) < 0.02
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_decoder_with_caches_equals_the_causal_pass(norm_first):
+    "Decoder(..., caches=[(self, cross) per layer]) one token at a time = the causal pass over the whole target."
+    from transformer.decoding import KVCache
+    torch.manual_seed(0)
+    dec = Decoder(D, H, D_FF, 2, dropout=0.0, norm_first=norm_first).double().eval()
+    randomize_norms(dec)
+    memory, y, keep = inputs()
+    T = y.size(1)
+    memory_mask = keep[:, None, None, :]
+    full = dec(y, memory, None, memory_mask, tgt_is_causal=True)
+    caches = [(KVCache(capacity=T), KVCache(fixed=True)) for _ in dec.layers]
+    steps = [dec(y[:, t:t + 1], memory, None, memory_mask, caches=caches) for t in range(T)]
+    assert all(c[0].length == T and c[1].length == memory.size(1) for c in caches)
+    assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-10

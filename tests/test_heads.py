@@ -1,9 +1,12 @@
-"""Tests for transformer.heads.MultiHeadAttention (chapter 04): oracle = torch.nn.MultiheadAttention."""
+"""Tests for transformer.heads (chapter 04): MultiHeadAttention against torch.nn.MultiheadAttention,
+split_heads/merge_heads, the per-head weights (need_weights, hooks) and the KV cache. The module
+trusts its callers: inputs are checked at the user's boundary (`TransformerConfig`, `Transformer`)."""
 import pytest
 import torch
 from torch import nn
 
-from transformer.heads import MultiHeadAttention
+from transformer.attention import attention
+from transformer.heads import MultiHeadAttention, merge_heads, split_heads
 
 F64 = torch.float64
 
@@ -141,20 +144,58 @@ def test_batch_order_independence(need_weights):
     check(out_p, out[perm])
 
 
-def test_store_weights_keeps_detached_per_head_weights():
+def test_need_weights_returns_the_per_head_weights_of_the_teaching_path():
+    "need_weights=True: (B, h, T_q, T_k) weights, those of chapter 2's `attention` on the split heads, with grad."
     ours, _ = pair()
-    s = x(2, 5).requires_grad_(True)
-    assert ours.store_weights is False and ours.last_weights is None
-    ours(s, s, s)
-    assert ours.last_weights is None                               # off by default: nothing is kept
-    ours.store_weights = True
-    out, w = ours(s, s, s)
-    assert w is None and ours.last_weights.shape == (2, 4, 5, 5)
-    assert not ours.last_weights.requires_grad
-    _, w = ours(s, s, s, need_weights=True)
-    check(ours.last_weights, w.detach())
-    ours.store_weights = False
-    check(ours(s, s, s)[0], out)
+    y, memory = x(2, 5).requires_grad_(True), x(2, 7, seed=2)
+    mask = torch.ones(2, 1, 5, 7, dtype=torch.bool)
+    mask[1, ..., 4:] = False
+    out, w = ours(y, memory, memory, mask, need_weights=True)
+    assert w.shape == (2, 4, 5, 7) and w.requires_grad
+    q, k, v = (split_heads(lin(t), 4) for lin, t in ((ours.w_q, y), (ours.w_k, memory), (ours.w_v, memory)))
+    want_out, want_w = attention(q, k, v, mask)
+    check(w, want_w)
+    check(out, ours.w_o(merge_heads(want_out)))
+    assert (w[1, ..., 4:] == 0).all()
+    fast, none = ours(y, memory, memory, mask)
+    assert none is None
+    check(fast, out)
+
+
+def test_a_forward_hook_collects_the_weights_of_every_attention():
+    "How figures get weights: a pre-hook asks each MultiHeadAttention for them, a forward hook keeps output[1]."
+    from transformer.model import Transformer, TransformerConfig
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=30, tgt_vocab=30, d_model=16, d_ff=32, h=4, n_layers=2,
+                                         dropout=0.0)).double().eval()
+    src, tgt = torch.randint(4, 30, (2, 6)), torch.randint(4, 30, (2, 5))
+    src[1, 4:] = 0                                                   # padding in the second source
+    plain = model(src, tgt)
+    weights, handles = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, MultiHeadAttention):
+            handles.append(m.register_forward_pre_hook(
+                lambda mod, args, kwargs: (args, {**kwargs, "need_weights": True}), with_kwargs=True))
+            handles.append(m.register_forward_hook(
+                lambda mod, args, output, name=name: weights.__setitem__(name, output[1].detach())))
+    try:
+        hooked = model(src, tgt)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(weights) == 6                               # 2 encoder self, 2 decoder self, 2 decoder cross
+    torch.testing.assert_close(hooked, plain, rtol=0, atol=1e-10)   # asking for weights changes nothing
+    for name, w in weights.items():
+        T_q, T_k = (5, 6) if "cross" in name else (6, 6) if name.startswith("encoder") else (5, 5)
+        assert w.shape == (2, 4, T_q, T_k), name
+        torch.testing.assert_close(w.sum(-1), torch.ones(2, 4, T_q, dtype=F64))
+        if name.startswith("encoder") or "cross" in name:
+            assert (w[1, ..., 4:] == 0).all(), name        # padded source keys get no weight
+        else:
+            assert (w.triu(1) == 0).all(), name            # the decoder's self-attention is causal
+    weights.clear()
+    model(src, tgt)
+    assert weights == {}                                            # hooks removed: nothing more collected
 
 
 def test_dropout_only_in_training():
@@ -184,47 +225,6 @@ def test_gradients_flow_to_every_parameter():
     m(s, s, s, torch.ones(1, 1, 5, 5, dtype=torch.bool).tril())[0].sum().backward()
     for name, p in m.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(d_model=10, h=3), r"d_model=10 is not divisible by h=3"),
-    (dict(d_model=16, h=0), r"must be positive integers.*h=0"),
-    (dict(d_model=0, h=1), r"must be positive integers.*d_model=0"),
-    (dict(d_model=16, h=4, dropout=1.0), r"dropout=1.0 must be in \[0, 1\)"),
-])
-def test_bad_constructor_arguments(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        MultiHeadAttention(**kwargs)
-
-
-def _forward_cases():
-    B, d = 2, 16
-    q, kv = x(B, 5), x(B, 7, seed=2)
-    b = lambda *s: torch.ones(*s, dtype=torch.bool)
-    return {
-        "query last dim": ((x(B, 5, 12), kv, kv), ValueError, r"query must have shape \(B, T, d_model=16\), got \(2, 5, 12\)"),
-        "key last dim": ((q, x(B, 7, 8), kv), ValueError, r"key must have shape \(B, T, d_model=16\), got \(2, 7, 8\)"),
-        "value last dim": ((q, kv, x(B, 7, 32)), ValueError, r"value must have shape .*got \(2, 7, 32\)"),
-        "2-D query": ((q[0], kv, kv), ValueError, r"query must have shape \(B, T, d_model=16\), got \(5, 16\)"),
-        "key/value length": ((q, kv, x(B, 6)), ValueError, r"key has length T_k=7 but value has length 6"),
-        "batch mismatch": ((q, x(3, 7), x(3, 7)), ValueError, r"batch sizes differ: query 2, key 3, value 3"),
-        "mask not broadcastable": ((q, kv, kv, b(2, 1, 5, 6)), ValueError,
-                                   r"mask of shape \(2, 1, 5, 6\) is not broadcastable to \(B, h, T_q, T_k\) = \(2, 4, 5, 7\)"),
-        "mask wrong batch": ((q, kv, kv, b(3, 1, 1, 7)), ValueError, r"mask of shape \(3, 1, 1, 7\) is not broadcastable"),
-        "mask 5-D": ((q, kv, kv, b(1, 1, 1, 1, 7)), ValueError, r"mask of shape \(1, 1, 1, 1, 7\) is not broadcastable"),
-        "mask 1-D": ((q, kv, kv, b(7)), ValueError, r"mask of shape \(7,\) needs at least 2 dimensions"),
-        "mask 3-D ambiguous": ((q, kv, kv, b(2, 5, 7)), ValueError, r"3-D mask of shape \(2, 5, 7\) is ambiguous"),
-        "float mask": ((q, kv, kv, torch.zeros(2, 1, 1, 7)), TypeError, r"mask must be a bool tensor.*float32"),
-    }
-
-
-@pytest.mark.parametrize("name", list(_forward_cases()))
-@pytest.mark.parametrize("need_weights", [False, True])
-def test_bad_forward_inputs(name, need_weights):
-    m = MultiHeadAttention(16, 4).double()
-    args, exc, match = _forward_cases()[name]
-    with pytest.raises(exc, match=match):
-        m(*args, need_weights=need_weights)
 
 
 def test_broadcastable_masks_are_accepted():
@@ -264,7 +264,7 @@ def test_d_k_matches_the_per_head_computation(d_k, bias, kind):
     "d_k narrows queries and keys only: the fast and the teaching path both equal the head-by-head formula."
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, bias=bias, d_k=d_k).double().eval()
-    assert (m.d_k, m.d_v) == (d_k, 4)
+    assert (m.d_k, m.w_v.out_features // m.h) == (d_k, 4)
     q = x(3, 5)
     k = q if kind == "self" else x(3, 7, seed=2)
     v = k if kind != "separate" else x(3, k.size(1), seed=3)
@@ -305,24 +305,18 @@ def test_d_k_parameter_count_and_shapes(d_model, h, d_k):
     assert f"d_k={d_k}" in repr(m)
 
 
-@pytest.mark.parametrize("d_k", [0, -1, 2.5, True, False, "8", 8.0])
-def test_bad_d_k_is_refused_by_name(d_k):
-    with pytest.raises(ValueError, match=r"d_k=.* must be a positive int"):
-        MultiHeadAttention(16, 4, d_k=d_k)
-
-
 def test_default_d_k_is_d_model_over_h_bit_for_bit():
     "d_k=None builds and computes exactly what d_k=d_model/h does: same weights from the same seed, same outputs."
     outs = []
     for d_k in (None, 4):
         torch.manual_seed(3)
         m = MultiHeadAttention(16, 4, d_k=d_k).eval()
-        assert m.d_k == m.d_v == 4
+        assert m.d_k == m.w_v.out_features // m.h == 4
         s, kv = x(2, 5).float(), x(2, 6, seed=2).float()
         outs.append((m.state_dict(), m(s, s, s)[0], m(s, kv, kv)[0], m(s, kv, kv, need_weights=True)))
     (sd1, *o1), (sd2, *o2) = outs
     assert sd1.keys() == sd2.keys() and all(torch.equal(sd1[k], sd2[k]) for k in sd1)
-    assert all(torch.equal(a, b) for a, b in zip(o1[:2], o2[:2]))
+    assert all(torch.equal(a, b) for a, b in zip(o1[:2], o2[:2], strict=True))
     assert torch.equal(o1[2][0], o2[2][0]) and torch.equal(o1[2][1], o2[2][1])
 
 
@@ -360,3 +354,49 @@ def test_default_d_k_is_bit_identical_to_the_module_before_d_k():
                 a, b = old(*args, need_weights=need_weights), new(*args, need_weights=need_weights)
                 assert torch.equal(a[0], b[0])
                 assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1])
+
+
+# ---- split_heads / merge_heads, and the KV cache (chapter 9) ------------------------------------------
+
+@pytest.mark.parametrize("h", [1, 2, 4, 8])
+def test_split_and_merge_heads_are_inverse(h):
+    t = x(3, 5)                                                     # (B, T, 16)
+    heads = split_heads(t, h)
+    assert heads.shape == (3, h, 5, 16 // h)
+    assert torch.equal(merge_heads(heads), t)
+    assert torch.equal(split_heads(merge_heads(heads), h), heads)
+    d = 16 // h
+    for i in range(h):                                              # head i: features i*d ... (i+1)*d - 1
+        assert torch.equal(heads[:, i], t[..., i * d:(i + 1) * d])
+
+
+@pytest.mark.parametrize("d_k", [None, 3])
+def test_kv_cache_one_token_at_a_time_equals_the_causal_pass(d_k):
+    "Self-attention fed one token at a time with a KVCache gives the full causal pass's outputs, position by position."
+    from transformer.decoding import KVCache
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4, d_k=d_k).double().eval()
+    s = x(2, 7)
+    full, _ = m(s, s, s, is_causal=True)
+    cache = KVCache(capacity=7)
+    steps = [m(s[:, t:t + 1], s[:, t:t + 1], s[:, t:t + 1], cache=cache)[0] for t in range(7)]
+    assert cache.length == 7
+    check(torch.cat(steps, 1), full)
+    prefix_cache = KVCache(capacity=7)                              # a prefix of 3 at once, then one at a time
+    first, _ = m(s[:, :3], s[:, :3], s[:, :3], torch.ones(3, 3, dtype=torch.bool).tril(), cache=prefix_cache)
+    rest = [m(s[:, t:t + 1], s[:, t:t + 1], s[:, t:t + 1], cache=prefix_cache)[0] for t in range(3, 7)]
+    check(torch.cat([first, *rest], 1), full)
+
+
+def test_fixed_kv_cache_keeps_the_memory_of_the_first_call():
+    "Cross-attention with `KVCache(fixed=True)`: the memory's keys and values are computed once, then only read."
+    from transformer.decoding import KVCache
+    torch.manual_seed(0)
+    m = MultiHeadAttention(16, 4).double().eval()
+    y, memory = x(2, 5), x(2, 9, seed=2)
+    full, _ = m(y, memory, memory)
+    cache = KVCache(fixed=True)
+    steps = [m(y[:, :1], memory, memory, cache=cache)[0]]
+    steps += [m(y[:, t:t + 1], memory * 0, memory * 0, cache=cache)[0] for t in range(1, 5)]  # not re-read
+    assert cache.length == 9
+    check(torch.cat(steps, 1), full)

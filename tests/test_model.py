@@ -1,9 +1,9 @@
 "The whole model: config and presets, weight tying, nn.Transformer equivalence, causality, padding, errors."
 import pytest
 import torch
+from test_blocks import copy_layer, randomize_norms
 from torch import nn
 
-from test_blocks import copy_layer, randomize_norms
 from transformer.masking import causal_mask
 from transformer.model import PRESETS, Transformer, TransformerConfig
 from transformer.tokens import BOS, PAD
@@ -159,9 +159,9 @@ def test_matches_torch_transformer(norm_first):
     c = m.config
     ref = nn.Transformer(c.d_model, c.h, c.n_layers, c.n_layers, c.d_ff, dropout=0.0, batch_first=True,
                          norm_first=norm_first, dtype=torch.float64).eval()
-    for a, b in zip(m.encoder.layers, ref.encoder.layers):
+    for a, b in zip(m.encoder.layers, ref.encoder.layers, strict=True):
         copy_layer(a, b)
-    for a, b in zip(m.decoder.layers, ref.decoder.layers):
+    for a, b in zip(m.decoder.layers, ref.decoder.layers, strict=True):
         copy_layer(a, b)
     if norm_first:
         ref.encoder.norm.load_state_dict(m.encoder.norm.state_dict())
@@ -183,6 +183,19 @@ def test_matches_torch_transformer(norm_first):
                  src_key_padding_mask=src == PAD, tgt_key_padding_mask=tgt == PAD,
                  memory_key_padding_mask=src == PAD)
     assert (got - m.generator(hidden))[real].abs().max().item() > 1e-6
+
+
+def test_encode_always_uses_the_padding_mask():
+    "encode(src) = encode(src, padding_mask(src)), with or without padding in the batch; pad rows stay finite."
+    from transformer.masking import padding_mask
+    m = tiny()
+    src, _ = batch()
+    full = src.clone(); full[full == PAD] = 5
+    for s in (src, full):
+        assert torch.equal(m.encode(s), m.encode(s, padding_mask(s)))
+    unmasked = m.encode(src, torch.ones(1, 1, 1, src.size(1), dtype=torch.bool))
+    real = src != PAD
+    assert not torch.allclose(m.encode(src)[real], unmasked[real], atol=1e-6)   # the padding mask is applied
 
 
 def test_forward_is_encode_then_decode():
@@ -284,15 +297,15 @@ def test_bad_inputs(case):
         call(tiny())
 
 
-# ---- the fast paths of forward: no source mask without padding, the causal flag ---------------------
+# ---- forward's fast path: the causal flag instead of the decoder's mask -------------------------------
 
 @pytest.mark.parametrize("norm_first", [False, True])
-def test_forward_fast_paths_equal_the_explicit_masks(norm_first):
+def test_forward_equals_the_explicit_masks(norm_first):
+    "forward (padding mask on the source, the causal flag on the target) = encode/decode with every mask written out."
     from transformer.masking import decoder_mask, padding_mask
     m = tiny(norm_first=norm_first)
     src, tgt = batch()
     full = src.clone(); full[full == PAD] = 5                      # the same batch without source padding
-    assert m._source_mask(full) is None and m._source_mask(src) is not None
     for s in (src, full):
         explicit = m.generator(m.decode(tgt, m.encode(s, padding_mask(s)), padding_mask(s), decoder_mask(tgt)))
         real = tgt != PAD
@@ -345,9 +358,9 @@ def test_positions_and_d_k_build_the_named_modules():
                          "none": NoPositions}
     for positions, cls in POSITIONS.items():
         m = variant(positions, d_k=6)
-        assert type(m.pos) is cls and m.pos.max_len == 40
+        assert type(m.pos) is cls and m.pos.pe.shape == (40, 32)
         attns = [m.encoder.layers[0].self_attn, m.decoder.layers[1].self_attn, m.decoder.layers[1].cross_attn]
-        assert all((a.d_k, a.d_v) == (6, 8) for a in attns)
+        assert all((a.d_k, a.w_v.out_features // a.h) == (6, 8) for a in attns)        # d_v = d_model / h
     c = TransformerConfig(src_vocab=V, tgt_vocab=V)
     assert (c.positions, c.d_k) == ("sinusoidal", None)       # the paper's model by default
 
@@ -445,7 +458,11 @@ def test_cached_decoding_reads_the_position_table(positions, monkeypatch):
 @pytest.mark.slow
 def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
     "save_checkpoint then model_from_checkpoint: the same config and bit-identical outputs (learned positions saved)."
-    from transformer.engine.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from transformer.engine.checkpoints import (
+        load_checkpoint,
+        model_from_checkpoint,
+        save_checkpoint,
+    )
     m = variant(positions, d_k, norm_first, seed=7)
     save_checkpoint(tmp_path / "m.pt", m)
     state = load_checkpoint(tmp_path / "m.pt")
@@ -467,7 +484,11 @@ def test_variant_checkpoint_round_trip(positions, d_k, norm_first, tmp_path):
 
 def test_checkpoint_from_before_the_new_fields_loads(tmp_path):
     "An old checkpoint's model_config has no positions/d_k: it loads as the paper's model (sinusoids, d_model/h)."
-    from transformer.engine.checkpoints import load_checkpoint, model_from_checkpoint, save_checkpoint
+    from transformer.engine.checkpoints import (
+        load_checkpoint,
+        model_from_checkpoint,
+        save_checkpoint,
+    )
     m = variant(seed=9)
     save_checkpoint(tmp_path / "m.pt", m)
     state = load_checkpoint(tmp_path / "m.pt")

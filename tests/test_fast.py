@@ -1,0 +1,234 @@
+"""Appendix D's fast paths (transformer.engine.fast): the cheaper CPU dropout mask and its module,
+`float32_attention` (CPU low precision through the float32 kernel), and `speed_up`, which swaps
+both into a model without changing the function it computes."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from transformer.attention import scaled_dot_product_attention
+from transformer.blocks import DecoderLayer, EncoderLayer
+from transformer.engine.fast import Dropout, dropout_mask, float32_attention, speed_up
+from transformer.heads import MultiHeadAttention
+from transformer.model import Transformer, TransformerConfig
+
+D, H, D_FF, V = 32, 4, 64, 40
+F64 = torch.float64
+
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def qkv(B=2, h=3, T_q=6, T_k=6, d_k=8, d_v=8, dtype=F64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, h, T_q, d_k, generator=g, dtype=dtype),
+            torch.randn(B, h, T_k, d_k, generator=g, dtype=dtype),
+            torch.randn(B, h, T_k, d_v, generator=g, dtype=dtype))
+
+
+def tiny(dropout=0.1, **kw) -> Transformer:
+    torch.manual_seed(0)
+    cfg = dict(src_vocab=V, tgt_vocab=V, d_model=D, d_ff=D_FF, h=H, n_layers=2, dropout=dropout, max_len=20,
+               attention_dropout=0.05, ffn_dropout=0.2)
+    return Transformer(TransformerConfig(**{**cfg, **kw}))
+
+
+def batch(B=3, S=8, T=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    src, tgt = torch.randint(4, V, (B, S), generator=g), torch.randint(4, V, (B, T), generator=g)
+    src[1, 5:] = 0
+    tgt[2, 4:] = 0
+    return src, tgt
+
+
+# ---- the dropout mask and the module ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5])
+def test_dropout_mask_drops_the_rounded_p_and_keeps_the_mean(p):
+    torch.manual_seed(0)
+    m = dropout_mask(torch.empty(2000, 1000, dtype=F64), p)
+    p_rounded = round(p * 2**15) / 2**15
+    share = (m == 0).double().mean().item()
+    assert abs(share - p_rounded) < 5 * (p_rounded * (1 - p_rounded) / m.numel()) ** 0.5
+    assert set(m.unique().tolist()) == {0.0, 1 / (1 - p_rounded)}
+    assert abs(m.mean().item() - 1) < 0.005
+
+
+def test_dropout_mask_odd_sizes_and_dtype():
+    for shape in [(1,), (3, 5), (7, 1, 3)]:                      # not a multiple of 4 entries
+        m = dropout_mask(torch.empty(shape), 0.5, torch.bfloat16)
+        assert m.shape == shape and m.dtype == torch.bfloat16
+        assert dropout_mask(torch.empty(shape, dtype=F64), 0.5).dtype == F64   # default: the dtype of `like`
+
+
+def test_dropout_masks_are_independent_across_positions():
+    "Neighbouring entries come from the same 64-bit draw: they must still be uncorrelated."
+    torch.manual_seed(1)
+    m = (dropout_mask(torch.empty(400_000, dtype=F64), 0.5) > 0).double()
+    for lag in (1, 2, 3, 4):
+        corr = torch.corrcoef(torch.stack([m[:-lag], m[lag:]]))[0, 1].item()
+        assert abs(corr) < 0.01, (lag, corr)
+
+
+def test_dropout_module_forward_gradient_and_eval():
+    drop = Dropout(0.2).train()
+    assert isinstance(drop, nn.Dropout) and drop.p == 0.2
+    x = torch.randn(300, 200, dtype=F64, requires_grad=True)
+    torch.manual_seed(5)
+    out = drop(x)
+    torch.manual_seed(5)
+    mask = dropout_mask(x, 0.2)
+    assert torch.equal(out, x * mask)
+    out.sum().backward()
+    assert torch.equal(x.grad, mask)
+    drop.eval()
+    assert drop(x) is x
+    assert Dropout(0.0).train()(x) is x
+
+
+def test_dropout_under_torch_compile_traces_pytorchs_dropout():
+    "Inside a compiled graph the module takes F.dropout (the compiler fuses it); the result is still dropout."
+    drop = Dropout(0.5).train()
+    compiled = torch.compile(drop, backend="eager", fullgraph=True)
+    out = compiled(torch.ones(200, 100))
+    assert set(out.unique().tolist()) == {0.0, 2.0} and abs((out == 0).float().mean().item() - 0.5) < 0.02
+
+
+def test_sped_up_layers_drop_out_reproducibly_in_training_only():
+    "In training a sped-up layer's output is random (dropout), and reproducible from the seed; in eval it is not."
+    for layer, args in ((EncoderLayer(D, H, D_FF, dropout=0.3, norm_first=True), (torch.randn(2, 5, D),)),
+                        (DecoderLayer(D, H, D_FF, dropout=0.3), (torch.randn(2, 5, D), torch.randn(2, 4, D)))):
+        speed_up(layer)
+        assert all(isinstance(getattr(layer, f"dropout{k}"), Dropout) for k in (1, 2))
+        layer.train()
+        torch.manual_seed(0); a = layer(*args)
+        torch.manual_seed(0); b = layer(*args)
+        torch.manual_seed(1); c = layer(*args)
+        assert torch.equal(a, b) and not torch.equal(a, c)
+        layer.eval()
+        assert torch.equal(layer(*args), layer(*args))
+
+
+# ---- float32_attention: on a CPU, low precision through the float32 kernel ---------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+def test_low_precision_cpu_attention_runs_in_float32(dtype, causal):
+    q, k, v = (t.to(dtype) for t in qkv())
+    mask = None if causal else torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.4
+    out, w = float32_attention(q, k, v, mask, is_causal=causal)
+    assert out.dtype == dtype and w is None
+    want, _ = scaled_dot_product_attention(q.float(), k.float(), v.float(), mask, is_causal=causal)
+    assert torch.equal(out, want.to(dtype))                          # the float32 kernel, one rounding at the end
+    exact, _ = scaled_dot_product_attention(q.double(), k.double(), v.double(), mask, is_causal=causal)
+    theirs, _ = scaled_dot_product_attention(q, k, v, mask, is_causal=causal)     # PyTorch's low-precision kernel
+    ours_err, theirs_err = (out.double() - exact).abs().max(), (theirs.double() - exact).abs().max()
+    assert ours_err <= 2**-7 * exact.abs().max() and ours_err <= theirs_err
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    float32_attention(*leaves, mask, is_causal=causal)[0].float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == dtype for t in leaves)
+
+
+def test_autocast_cpu_attention_is_computed_in_float32():
+    "Under CPU autocast PyTorch would cast float32 inputs to bf16; float32_attention keeps them, returns bf16."
+    q, k, v = (t.float() for t in qkv())
+    exact, _ = scaled_dot_product_attention(q.double(), k.double(), v.double())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out, _ = float32_attention(q, k, v)
+        theirs = F.scaled_dot_product_attention(q, k, v)
+    assert out.dtype == theirs.dtype == torch.bfloat16
+    assert torch.equal(out, scaled_dot_product_attention(q, k, v)[0].to(torch.bfloat16))
+    assert (out.double() - exact).abs().max() <= 2**-7 * exact.abs().max()               # one bf16 rounding
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_float32_attention_is_chapter_3s_function_elsewhere(need_weights, dtype):
+    "Full precision, or weights asked for: exactly `scaled_dot_product_attention`."
+    q, k, v = qkv(dtype=dtype)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril()
+    for args, kwargs in (((q, k, v, mask), {}), ((q, k, v), dict(is_causal=True))):
+        a = float32_attention(*args, need_weights=need_weights, **kwargs)
+        b = scaled_dot_product_attention(*args, need_weights=need_weights, **kwargs)
+        assert torch.equal(a[0], b[0]) and (a[1] is b[1] is None or torch.equal(a[1], b[1]))
+    out, w = float32_attention(*(t.to(torch.bfloat16) for t in (q, k, v)), need_weights=True)
+    assert out.dtype == w.dtype == torch.bfloat16                    # weights: the teaching path, as asked
+
+
+# ---- speed_up --------------------------------------------------------------------------------------------------
+
+def dropouts(model):
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.Dropout)}
+
+
+def test_speed_up_leaves_eval_logits_bit_identical():
+    model = tiny().eval()
+    src, tgt = batch()
+    with torch.no_grad():
+        before, memory = model(src, tgt), model.encode(src)
+        assert speed_up(model) is model
+        assert torch.equal(model(src, tgt), before) and torch.equal(model.encode(src), memory)
+
+
+def test_speed_up_swaps_every_dropout_keeping_p_and_mode():
+    model = tiny().train()
+    model.decoder.layers[1].eval()                                   # a mixed model: each module keeps its mode
+    before = {name: (m.p, m.training) for name, m in dropouts(model).items()}
+    assert before and all(type(m) is nn.Dropout for m in dropouts(model).values())
+    assert {p for p, _ in before.values()} == {0.1, 0.2} and {t for _, t in before.values()} == {True, False}
+    keys = list(model.state_dict())
+    speed_up(model)
+    after = dropouts(model)
+    assert after.keys() == before.keys()
+    assert all(type(m) is Dropout for m in after.values())
+    assert {name: (m.p, m.training) for name, m in after.items()} == before
+    assert list(model.state_dict()) == keys                         # a checkpoint loads either way
+
+
+def test_speed_up_sets_float32_attention_on_every_attention():
+    model = tiny()
+    attentions = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    assert len(attentions) == 6 and all(m.attend is scaled_dot_product_attention for m in attentions)
+    speed_up(model)
+    assert all(m.attend is float32_attention for m in attentions)
+    assert MultiHeadAttention.attend is scaled_dot_product_attention   # per instance: the class is untouched
+    assert MultiHeadAttention(D, H).attend is scaled_dot_product_attention
+
+
+def test_sped_up_model_attends_in_float32_under_autocast(monkeypatch):
+    "Under CPU bfloat16 autocast each attention of a sped-up model runs PyTorch's kernel on float32, autocast off."
+    calls = []
+    kernel = F.scaled_dot_product_attention
+
+    def spy(query, *args, **kwargs):
+        calls.append((query.dtype, torch.is_autocast_enabled("cpu")))
+        return kernel(query, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    src, tgt = batch()
+    plain, fast = tiny().eval(), speed_up(tiny().eval())
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        want = plain(src, tgt)
+        assert len(calls) == 6 and all(enabled for _, enabled in calls)             # PyTorch's bf16 kernel
+        calls.clear()
+        got = fast(src, tgt)
+    assert calls == [(torch.float32, False)] * 6                                    # the float32 kernel
+    assert got.dtype == want.dtype == torch.bfloat16
+    with torch.no_grad():
+        exact = tiny().double().eval()(src, tgt)
+    real = tgt != 0
+    assert (got.double() - exact)[real].abs().max() < 0.1 * exact.abs().max()       # still the same function
+
+
+def test_speed_up_is_idempotent():
+    model = speed_up(tiny().train())
+    modules = dict(model.named_modules())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert speed_up(model) is model
+    assert dict(model.named_modules()) == modules                    # the very same modules: nothing swapped again
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
+    assert all(m.attend is float32_attention for m in model.modules() if isinstance(m, MultiHeadAttention))
+    model.eval()
+    src, tgt = batch()
+    with torch.no_grad():
+        assert torch.equal(model(src, tgt), speed_up(model)(src, tgt))
