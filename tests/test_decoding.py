@@ -191,26 +191,114 @@ def test_kv_cache_is_allocated_once_and_follows_beam_reordering():
     assert torch.equal(cache.k[0], cache.k[1]) and cache.k[0, 0, 0, 0] == 10
 
 
-def test_the_cached_step_runs_the_decoder_layers_own_sublayers(monkeypatch):
-    "One implementation of a decoder layer: the cached step goes through DecoderLayer.sublayers."
-    from transformer.blocks import DecoderLayer
+def test_kv_cache_fixed_holds_one_append_and_bad_uses_are_refused():
+    from transformer.decoding import KVCache
+    memory_k = torch.randn(2, 4, 7, 8, dtype=torch.float64)
+    cache = KVCache(fixed=True)
+    assert cache.nbytes == 0 and cache.length == 0
+    k, v = cache.append(memory_k, 2 * memory_k)
+    assert torch.equal(k, memory_k) and torch.equal(v, 2 * memory_k) and cache.length == 7
+    assert cache.k.shape == (2, 4, 7, 8) and cache.nbytes == 2 * 2 * 4 * 7 * 8 * 8
+    with pytest.raises(ValueError, match="holds 7 positions"):
+        cache.append(memory_k[:, :, :1], memory_k[:, :, :1])
+    for bad in (0, -1, None, 2.0, True):
+        with pytest.raises(ValueError, match="must be a positive int"):
+            KVCache(bad)
+    cache = KVCache(5)
+    cache.append(torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8))
+    with pytest.raises(ValueError, match="do not fit this cache"):
+        cache.append(torch.zeros(3, 4, 1, 8), torch.zeros(3, 4, 1, 8))
+    with pytest.raises(ValueError, match="needs capacity >= 7"):
+        cache.append(torch.zeros(2, 4, 6, 8), torch.zeros(2, 4, 6, 8))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_cached_logits_equal_the_prefix_logits_step_by_step_in_float64(norm_first):
+    "Step by step, with beam-style reordering of the rows: the cache changes no logit (float64)."
+    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.masking import padding_mask
+    torch.manual_seed(6)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64, norm_first=norm_first)).double().eval()
+    src = torch.randint(4, 20, (3, 6))
+    src[1, 4:] = PAD
+    K, g = 2, torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        mask = padding_mask(src)
+        memory = model.encode(src, mask).repeat_interleave(K, 0)        # (3K, S, d_model)
+        mask = mask.repeat_interleave(K, 0)
+        cached, plain = CachedDecoder(model, memory, mask, 8), PrefixDecoder(model, memory, mask)
+        ys = torch.full((3 * K, 1), BOS)
+        for _ in range(8):
+            a, b = cached.next_logits(ys), plain.next_logits(ys)
+            assert a.dtype == torch.float64 and torch.allclose(a, b, atol=1e-10, rtol=0)
+            # each row continues a row of its own sentence, as in beam search
+            rows = (torch.arange(3)[:, None] * K + torch.randint(0, K, (3, K), generator=g)).view(-1)
+            ys = torch.cat([ys[rows], torch.randint(4, 20, (3 * K, 1), generator=g)], 1)
+            cached.reorder(rows)
+            plain.reorder(rows)
+
+
+def test_beam_search_with_the_cache_equals_without_in_float64():
+    torch.manual_seed(7)
+    model = Transformer(TransformerConfig(src_vocab=12, tgt_vocab=12, d_model=32, d_ff=64, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64)).double().eval()
+    src = torch.randint(4, 12, (5, 8))
+    src[0, 3:], src[4, 6:] = PAD, PAD
+    for K, alpha, extra in [(1, 0.6, 6), (3, 0.0, 5), (4, 0.6, 10)]:
+        assert (beam_search(model, src, K, alpha, extra)
+                == beam_search(model, src, K, alpha, extra, cache=False)), (K, alpha, extra)
+
+
+def test_the_cached_step_goes_through_multi_head_attention_with_a_cache(monkeypatch):
+    "No second attention: every cached step calls MultiHeadAttention.forward with one new query and a cache."
+    from transformer.heads import MultiHeadAttention
     calls = []
-    original = DecoderLayer.sublayers
+    original = MultiHeadAttention.forward
 
-    def spy(self, y, sa, ca):
-        calls.append(y.size(1))
-        return original(self, y, sa, ca)
+    def spy(self, query, key, value, *args, cache=None, **kwargs):
+        calls.append((query.size(1), cache is not None and cache.fixed))
+        return original(self, query, key, value, *args, cache=cache, **kwargs)
 
-    monkeypatch.setattr(DecoderLayer, "sublayers", spy)
+    monkeypatch.setattr(MultiHeadAttention, "forward", spy)
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
                                           dropout=0.0, max_len=64)).eval()
     src = torch.randint(4, 20, (2, 5))
-    greedy_search(model, src, extra_len=3)
-    assert calls and set(calls) == {1}                                # one position at a time, every layer
-    calls.clear()
-    model(src, src)
-    assert calls == [5, 5]                                            # training: the whole target, same code
+    from transformer.decoding import CachedDecoder
+    from transformer.masking import padding_mask
+    with torch.no_grad():
+        memory = model.encode(src)
+        calls.clear()
+        state = CachedDecoder(model, memory, padding_mask(src), capacity=3)
+        ys = torch.full((2, 1), BOS)
+        for _ in range(3):
+            state.next_logits(ys)
+            ys = torch.cat([ys, torch.randint(4, 20, (2, 1))], 1)
+    # per step and layer: self-attention (growing cache), cross-attention (fixed cache)
+    assert calls == [(1, False), (1, True)] * 2 * 3
+    for self_cache, cross_cache in state.caches:
+        assert self_cache.length == 3 and cross_cache.length == 5 and cross_cache.k.size(2) == 5
+
+
+def test_cross_attention_keys_and_values_are_computed_once(monkeypatch):
+    "The memory's projections run at the first step only; later steps read the fixed cache."
+    from transformer.decoding import CachedDecoder
+    from transformer.masking import padding_mask
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64)).eval()
+    src = torch.randint(4, 20, (2, 5))
+    seen = []
+    for layer in model.decoder.layers:
+        layer.cross_attn.w_k.register_forward_hook(lambda m, i, o: seen.append(i[0].size(1)))
+    with torch.no_grad():
+        state = CachedDecoder(model, model.encode(src), padding_mask(src), capacity=4)
+        ys = torch.full((2, 1), BOS)
+        for _ in range(4):
+            state.next_logits(ys)
+            ys = torch.cat([ys, torch.randint(4, 20, (2, 1))], 1)
+    assert seen == [5, 5]                                             # once per layer, over the memory
 
 
 # --- beam search on the device = the host-side beam search it replaced --------------------------

@@ -129,3 +129,12 @@ def test_bad_calls():
         m(torch.zeros(1, 2, D), is_causal=True, cache=cache)
     with pytest.raises(ValueError, match="do not fit this cache"):
         m(torch.zeros(2, 1, D), is_causal=True, cache=cache)
+
+
+def test_the_cache_is_chapter_9s():
+    "One cache class in the book: chapter 15 imports chapter 9's KVCache, and the head split of chapter 4."
+    import transformer.modern.gqa as gqa
+    from transformer.decoding import KVCache as chapter_9_cache
+    from transformer.heads import split_heads
+    assert KVCache is chapter_9_cache and gqa.split_heads is split_heads
+    assert not hasattr(gqa, "_heads")

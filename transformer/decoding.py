@@ -9,8 +9,6 @@ import warnings
 import torch
 
 from .tokens import PAD, BOS, EOS, Tokenizer, pad_batch
-from .attention import scaled_dot_product_attention
-from .heads import MultiHeadAttention
 from .masking import padding_mask, causal_mask
 from .model import Transformer
 
@@ -48,52 +46,58 @@ def _until_eos(ids: list[int]) -> list[int]:
     return out
 
 # %% ../book/09_decoding.ipynb #c007
-def _heads(mha: MultiHeadAttention, x: torch.Tensor) -> torch.Tensor:
-    "(N, T, h * d_k) -> (N, h, T, d_k), the head split of chapter 4 (d_v for values)."
-    N, T, _ = x.shape
-    return x.reshape(N, T, mha.h, -1).transpose(1, 2)
-
-
-def _attend(mha: MultiHeadAttention, x: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-            mask: torch.Tensor | None) -> torch.Tensor:
-    ("Multi-head attention of new queries x (N, 1, d_model) over cached keys/values "
-     "(N, h, T, d_k).")
-    out, _ = scaled_dot_product_attention(_heads(mha, mha.w_q(x)), k, v,
-                                          mask)  # (N, h, 1, d_k)
-    return mha.w_o(out.transpose(1, 2).reshape(x.size(0), -1,
-                                               mha.d_model))  # (N, 1, d_model)
-
-
 class KVCache:
-    """The keys and values of the positions so far, for one self-attention layer: two
-    tensors (N, h, capacity, d_k) allocated once, filled one position per step, or a
-    whole prefix at once (no tensor grows by concatenation)."""
+    """The keys and values of one attention layer for the positions so far: two tensors
+    (B, heads, capacity, d), allocated at the first `append`, filled in place (no tensor
+    grows by concatenation). `length` is the number of positions stored, and the
+    position of the next one. `fixed=True`: the keys and values of one `append` (the
+    memory's, for cross-attention), stored once and then only read; capacity = that
+    append's length."""
 
-    def __init__(self, capacity: int):
-        self.capacity, self.length = capacity, 0
-        self.k = self.v = None
+    def __init__(self, capacity: int | None = None, fixed: bool = False):
+        if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                          or capacity < 1):
+            raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
+                             "sequence to decode)")
+        self.capacity, self.fixed, self.length = capacity, fixed, 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
 
     def append(self, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        "Store the new positions' k, v (N, h, n, d_k); return all (N, h, length, d_k)."
+        """Store new keys and values (B, heads, n, d); return all of them so far,
+        (B, heads, length, d) each (views into the cache)."""
         if self.k is None:
-            N, h, _, d_k = k.shape
-            self.k = k.new_empty(N, h, self.capacity, d_k)
-            self.v = v.new_empty(N, h, self.capacity, v.size(-1))   # d_v
-        start, n = self.length, k.size(2)
-        if start + n > self.capacity:
-            raise ValueError(f"the cache holds {self.capacity} positions; "
-                             "decode no longer than that")
-        self.k[:, :, start:start + n] = k
-        self.v[:, :, start:start + n] = v
-        self.length += n
-        return self.k[:, :, :self.length], self.v[:, :, :self.length]
+            B, heads, n, d = k.shape
+            if self.fixed:
+                self.capacity = n
+            self.k = k.new_empty(B, heads, self.capacity, d)
+            self.v = v.new_empty(B, heads, self.capacity, v.size(-1))   # d_v
+        if k.shape[:2] != self.k.shape[:2] or k.size(-1) != self.k.size(-1):
+            raise ValueError(f"keys of shape {tuple(k.shape)} do not fit this cache of "
+                             f"(B, heads, capacity, d) = {tuple(self.k.shape)}")
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; appending "
+                             f"{k.size(2)} to {self.length} needs capacity >= {end}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
 
     def reorder(self, index: torch.Tensor) -> None:
         "Row i now continues row index[i] (beam search)."
         if self.k is not None:
             self.k = self.k.index_select(0, index)
             self.v = self.v.index_select(0, index)
+
+    @property
+    def nbytes(self) -> int:
+        "Bytes allocated for keys and values (0 before the first append)."
+        if self.k is None:
+            return 0
+        return (self.k.numel() * self.k.element_size()
+                + self.v.numel() * self.v.element_size())
 
 
 class PrefixDecoder:
@@ -117,43 +121,29 @@ class PrefixDecoder:
 
 
 class CachedDecoder:
-    """Next-token logits from the newest token only: each decoder layer's
-    `sublayers` (chapter 6) runs on one position, its self-attention over a
-    `KVCache`, its cross-attention over the memory's keys and values (computed once)."""
+    """Next-token logits from the newest token only: `Transformer.decode` with a pair
+    of `KVCache`s per decoder layer, the self-attention's (one position appended per
+    step) and the cross-attention's (the memory's keys and values, computed once)."""
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
                  src_mask: torch.Tensor, capacity: int | None = None):
-        self.model, self.src_mask = model, src_mask
-        # (N, h, S, d_k), once
-        self.memory_kv = [(_heads(l.cross_attn, l.cross_attn.w_k(memory)),
-                           _heads(l.cross_attn, l.cross_attn.w_v(memory)))
-                          for l in model.decoder.layers]
-        self.caches = [KVCache(capacity or model.config.max_len)
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.caches = [(KVCache(capacity or model.config.max_len), KVCache(fixed=True))
                        for _ in model.decoder.layers]
-
-    def _self_attention(self, layer, cache: KVCache, x: torch.Tensor) -> torch.Tensor:
-        sa = layer.self_attn
-        k, v = cache.append(_heads(sa, sa.w_k(x)), _heads(sa, sa.w_v(x)))
-        return _attend(sa, x, k, v, None)  # the newest token may see every earlier one
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         ("ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the "
          "last call.")
-        m, t = self.model, ys.size(1) - 1
-        y = m.tgt_embed(ys[:, -1:]) + m.pos.pe[t]            # (N, 1, d_model)
-        for layer, cache, (mk, mv) in zip(m.decoder.layers, self.caches,
-                                          self.memory_kv):
-            y = layer.sublayers(
-                y, lambda z: self._self_attention(layer, cache, z),
-                lambda z: _attend(layer.cross_attn, z, mk, mv, self.src_mask))
-        return m.generator(m.decoder.norm(y)[:, -1])         # (N, V)
+        hidden = self.model.decode(ys[:, -1:], self.memory, self.src_mask,
+                                   caches=self.caches)      # (N, 1, d_model)
+        return self.model.generator(hidden[:, -1])          # (N, V)
 
     def reorder(self, rows: torch.Tensor | list[int]) -> None:
-        ("Beam search re-ordered the rows: the caches follow "
-         "(the memory's rows are the same).")
-        index = torch.as_tensor(rows, device=self.memory_kv[0][0].device)
-        for cache in self.caches:
-            cache.reorder(index)
+        "Beam search re-ordered the rows: every cache follows."
+        index = torch.as_tensor(rows, device=self.memory.device)
+        for pair in self.caches:
+            for cache in pair:
+                cache.reorder(index)
 
 
 def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,

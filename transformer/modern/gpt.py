@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from ..tokens import Embeddings
-from ..blocks import Dropout, Encoder
+from ..blocks import Encoder
 from ..model import POSITIONS, Transformer, TransformerConfig
-from ..decoding import KVCache, _attend, _heads
+from ..decoding import KVCache
 
 # %% auto #0
 __all__ = ['pack', 'sequence_mask', 'DecoderOnly', 'PrefixState', 'build_model', 'CachedState']
@@ -60,7 +60,6 @@ class DecoderOnly(nn.Module):
                              f"src_vocab={c.src_vocab} != tgt_vocab={c.tgt_vocab}")
         self.embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = POSITIONS[c.positions](c.d_model, c.dropout, c.max_len)
-        self.pos.dropout = Dropout(c.dropout)
         self.stack = Encoder(c.d_model, c.h, c.d_ff, c.n_layers, c.dropout, c.norm_first,
                              c.attention_dropout, c.ffn_dropout, c.d_k)
         self.generator = nn.Linear(c.d_model, c.tgt_vocab)
@@ -143,8 +142,8 @@ def build_model(config: TransformerConfig) -> nn.Module:
 class CachedState:
     """Decoding with chapter 9's key/value cache: the source runs through the stack
     once (its keys and values stored per layer, padding slots masked), then each step
-    runs only the newest token, at its own position `n_src + t`, through every
-    layer's `sublayers` (chapter 6), attending over everything stored."""
+    runs only the newest token, at its own position `n_src + t`, through every layer
+    (chapter 6's `EncoderLayer` with a cache), attending over everything stored."""
 
     def __init__(self, model: DecoderOnly, src: torch.Tensor, capacity: int):
         self.model, c = model, model.config
@@ -154,14 +153,8 @@ class CachedState:
         mask = sequence_mask(src, self.n_src, c.pad_id,
                              prefix=c.arch == "prefix-lm")              # (N, 1, S, S)
         x = model.pos(model.embed(src))                                  # (N, S, d_model)
-        for layer, cache in zip(model.stack.layers, self.caches):
-            x = layer.sublayers(x, lambda z: self._attend(layer, cache, z, mask))
-
-    @staticmethod
-    def _attend(layer, cache: KVCache, z: torch.Tensor, mask: torch.Tensor):
-        sa = layer.self_attn
-        k, v = cache.append(_heads(sa, sa.w_k(z)), _heads(sa, sa.w_v(z)))
-        return _attend(sa, z, k, v, mask)
+        for layer, cache in zip(model.stack.layers, self.caches, strict=True):
+            x = layer(x, mask, cache=cache)
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new."
@@ -169,8 +162,8 @@ class CachedState:
         x = m.embed(ys[:, -1:]) + m.pos.pe[self.n_src + t][:, None]      # (N, 1, d_model)
         self.keys_ok = torch.cat([self.keys_ok, self.keys_ok.new_ones(ys.size(0), 1)], 1)
         mask = self.keys_ok[:, None, None, :]                            # (N, 1, 1, L)
-        for layer, cache in zip(m.stack.layers, self.caches):
-            x = layer.sublayers(x, lambda z: self._attend(layer, cache, z, mask))
+        for layer, cache in zip(m.stack.layers, self.caches, strict=True):
+            x = layer(x, mask, cache=cache)
         return m.generator(m.stack.norm(x)[:, -1])                      # (N, V)
 
     def reorder(self, rows) -> None:

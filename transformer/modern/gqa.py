@@ -7,60 +7,14 @@ import torch
 from torch import nn
 
 from ..attention import scaled_dot_product_attention
+from ..decoding import KVCache
+from ..heads import split_heads
 from .rope import apply_rope, rope_cos_sin
 
 # %% auto #0
-__all__ = ['KVCache', 'GroupedQueryAttention']
-
-# %% ../../book/15_gqa.ipynb #q008
-class KVCache:
-    """The keys and values of one attention layer for the positions so far: two tensors
-    (B, g, capacity, d_head), allocated at the first `append`, filled in place.
-    `length` is the number of positions stored, and the position of the next one."""
-
-    def __init__(self, capacity: int):
-        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
-            raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
-                             "sequence to decode)")
-        self.capacity, self.length = capacity, 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new keys and values (B, g, T_new, d_head); return all of them so far,
-        (B, g, length, d_head) each (views into the cache)."""
-        if self.k is None:
-            B, g, _, d_head = k.shape
-            self.k = k.new_empty(B, g, self.capacity, d_head)
-            self.v = v.new_empty(B, g, self.capacity, v.size(-1))
-        if k.shape[:2] != self.k.shape[:2] or k.size(-1) != self.k.size(-1):
-            raise ValueError(f"keys of shape {tuple(k.shape)} do not fit this cache of "
-                             f"(B, g, capacity, d_head) = {tuple(self.k.shape)}")
-        end = self.length + k.size(2)
-        if end > self.capacity:
-            raise ValueError(f"the cache holds {self.capacity} positions; appending "
-                             f"{k.size(2)} to {self.length} needs capacity >= {end}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    @property
-    def nbytes(self) -> int:
-        "Bytes allocated for keys and values (0 before the first append)."
-        if self.k is None:
-            return 0
-        return (self.k.numel() * self.k.element_size()
-                + self.v.numel() * self.v.element_size())
+__all__ = ['GroupedQueryAttention']
 
 # %% ../../book/15_gqa.ipynb #q011
-def _heads(x: torch.Tensor, n: int) -> torch.Tensor:
-    "(B, T, n * d_head) -> (B, n, T, d_head)"
-    B, T, _ = x.shape
-    return x.view(B, T, n, -1).transpose(1, 2)
-
-
 class GroupedQueryAttention(nn.Module):
     """Grouped-query self-attention (Ainslie et al. 2023): h query heads share g key/value
     heads, g dividing h; query head j reads key/value head j // (h/g). g = h is
@@ -111,9 +65,9 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError("pass either a mask or is_causal=True, not both")
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0     # position of x's first token
-        q = _heads(self.w_q(x), self.h)                      # (B, h, T, d_head)
-        k = _heads(self.w_k(x), self.g)                      # (B, g, T, d_head)
-        v = _heads(self.w_v(x), self.g)                      # (B, g, T, d_head)
+        q = split_heads(self.w_q(x), self.h)                  # (B, h, T, d_head)
+        k = split_heads(self.w_k(x), self.g)                  # (B, g, T, d_head)
+        v = split_heads(self.w_v(x), self.g)                  # (B, g, T, d_head)
         if self.rope_base is not None:
             cos, sin = rope_cos_sin(T, self.d_head, self.rope_base, offset=start,
                                     device=x.device, dtype=x.dtype)
