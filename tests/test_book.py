@@ -12,8 +12,10 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
+API_PAGE = "book/g_api"   # appendix G, the API reference: autodoc's page (book/g_api.rst, tests/test_api_page.py), no notebook
 CHAPTERS = [entry["file"] for part in TOC["parts"] for c in part["chapters"]
-            for entry in [c, *c.get("sections", [])]]   # a chapter's second notebook is its section N.1
+            for entry in [c, *c.get("sections", [])]   # a chapter's second notebook is its section N.1
+            if entry["file"] != API_PAGE]
 CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
                 "--virtual-time-budget=20000", "--dump-dom"]
@@ -132,7 +134,7 @@ def _render_logged(page: Path, profile: Path, browser: str, dark: bool) -> tuple
     return result.stdout, console
 
 
-PAGES = ["book/index", *CHAPTERS]
+PAGES = ["book/index", *CHAPTERS, API_PAGE]
 
 
 @pytest.mark.parametrize("mode", ["light", "dark"])
@@ -147,7 +149,7 @@ def test_every_page_in_a_browser(browser, built_book, page, mode, tmp_path):
     errors = [m for m in console if "Uncaught" in m or "Error" in m or "Failed to load" in m]
     assert not errors, f"{page} ({mode}): JavaScript errors {errors}"
     assert f'data-theme="{mode}"' in dom.split("<body", 1)[0], f"{page}: the theme did not switch to {mode}"
-    n_charts = len(_chart_specs(ROOT / f"{page}.ipynb")) if page != "book/index" else 0
+    n_charts = len(_chart_specs(ROOT / f"{page}.ipynb")) if page in CHAPTERS else 0
     charts = re.findall(r'<div id="vis-[^"]+" class="book-chart[^"]*"[^>]*>(.*?)</div>\s*<script', dom, re.S)
     assert len(charts) == n_charts, f"{page}: {n_charts} charts stored, {len(charts)} on the page"
     failed = {i: re.sub(r"<[^>]+>", "", inner)[:200] for i, inner in enumerate(charts)
