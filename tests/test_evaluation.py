@@ -134,7 +134,7 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
 
 
 def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
-    from transformer.evaluation import final_evaluation
+    from transformer.engine.loop import final_evaluation
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
     tokenizer, model, pairs = _tiny_translation_setup()
     save_checkpoint(tmp_path / "best.pt", model)
@@ -159,7 +159,7 @@ def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
 
 
 def test_final_evaluation_tries_windows_and_alphas_on_val(tmp_path):
-    from transformer.evaluation import averaging_windows, final_evaluation
+    from transformer.engine.loop import averaging_windows, final_evaluation
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
     assert averaging_windows(20) == [20, 10, 5] and averaging_windows(5) == [5]
     assert averaging_windows(8) == [8] and averaging_windows(1) == []

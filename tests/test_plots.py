@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from transformer.figures import plots
-from transformer.cli.commands import main
+from transformer.__main__ import main
 from transformer.engine.trained import load
 from transformer.decoding import translate
 from transformer.positions import sinusoidal_encoding

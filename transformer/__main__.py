@@ -1,25 +1,33 @@
-"""`python -m transformer train|translate|evaluate|bench|sweep`.
+"""`python -m transformer train|translate|evaluate|export|plot|attend|bench|sweep`.
 
-Hand-written: train/translate/evaluate are `transformer.cli.commands` (appendix C); `bench` is
-`transformer.cli.bench` (appendix D) and `sweep` is `transformer.cli.sweep` (appendix C.3), dispatched
-here because commands.py must not import a later section.
+Hand-written, the top of the package: the one module that imports every command. `train` is
+`transformer.cli.train` (appendix C.1); translate, evaluate, export, plot and attend are
+`transformer.cli.use` (C.2); both run through `transformer.cli.commands.run_command` (appendix C),
+which parses the line and turns every error into one line. `bench` (`transformer.cli.bench`,
+appendix D) and `sweep` (`transformer.cli.sweep`, C.3) have parsers of their own and are handed
+over before it runs.
 """
 import sys
 
-from transformer.cli.commands import main as _cli_main, report
+from transformer.cli import train, use
+from transformer.cli.commands import report, run_command
 
 
 def main(argv: list[str] | None = None) -> int:
+    "Run `python -m transformer <command> ...`; returns the exit code."
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] not in (["bench"], ["sweep"]):
-        return _cli_main(argv)
+        # looked up at each call, so that a test may replace a command
+        return run_command(argv, {"train": train.cmd_train, "translate": use.cmd_translate,
+                                  "evaluate": use.cmd_evaluate, "export": use.cmd_export,
+                                  "plot": use.cmd_plot, "attend": use.cmd_attend})
     try:
         if argv[0] == "bench":
             from transformer.cli.bench import main as command
         else:
             from transformer.cli.sweep import main as command
         return command(argv[1:])
-    except Exception as e:  # as cli.main: a user error in one line, a bug with its traceback
+    except Exception as e:  # as run_command: a user error in one line, a bug with its traceback
         return report(e, argv[0])
 
 

@@ -10,19 +10,20 @@ import platform
 import sys
 import traceback
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from ..data import LANGS, SPLITS, UserError
+from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..tokens import Tokenizer
 from ..model import ARCHS, POSITIONS, PRESETS, Transformer
 from ..engine.checkpoints import atomic_write
 from ..engine.trained import load
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'load_run',
-           'Terminated', 'report', 'main']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'pick_device',
+           'describe_device', 'write_json', 'load_pairs', 'load_run', 'Terminated', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -337,7 +338,9 @@ def _add_figure_commands(sub) -> None:
                         "attention-KIND[-layerL][-headH].png)")
 
 # %% ../../book/c_commands.ipynb #c007
-def _device(name: str) -> torch.device:
+def pick_device(name: str) -> torch.device:
+    ("The device `--device NAME` asks for (auto, cpu, cuda); CUDA asked for where there "
+     "is none is a `CLIError`.")
     if name == "cuda" and not torch.cuda.is_available():
         raise CLIError("--device cuda: no CUDA device is available here (CPU-only "
                        "torch or no GPU); use --device cpu or --device auto")
@@ -346,7 +349,9 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _device_name(device: torch.device) -> str:
+def describe_device(device: torch.device) -> str:
+    ("The device in words, for the log and results.json: the GPU's name, or the CPU's "
+     "cores, threads and architecture.")
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     threads = torch.get_num_threads()
@@ -354,8 +359,25 @@ def _device_name(device: torch.device) -> str:
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
 
 
-def _write_json(path: Path, obj) -> None:
+def write_json(path: Path, obj) -> None:
+    "Write `obj` as indented JSON to `path`, atomically (appendix E's `atomic_write`)."
     atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
+
+
+def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
+    """The Multi30k pairs of `split` as the flags ask (`--data`, `--no-download`,
+    `--unverified-data`, `--eval-sentences` for the splits scored), with a missing or
+    changed corpus said in the words of the command line."""
+    try:
+        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
+                              download=not args.no_download,
+                              progress=not getattr(args, "quiet", False),
+                              verify=not getattr(args, "unverified_data", False))
+    except DataError as e:  # say it in the words of the command line
+        raise DataError(str(e).replace("pass download=True", "drop --no-download")
+                        .replace("; in Python, verify=False)", ")")) from None
+    return (pairs[:args.eval_sentences]
+            if getattr(args, "eval_sentences", None) and split != "train" else pairs)
 
 
 def load_run(run_dir: str | os.PathLike, which: str = "chosen",
@@ -373,18 +395,6 @@ class Terminated(KeyboardInterrupt):
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text or type(e).__name__
-
-
-def _run(args) -> int:
-    """The command's function, from the section that builds it: `train` in C.1, the
-    others in C.2 (imported here, when a command runs: they import this module)."""
-    from transformer.cli import train as cli_train, use as cli_use
-    commands = {"train": cli_train.cmd_train, "translate": cli_use.cmd_translate,
-                "evaluate": cli_use.cmd_evaluate, "export": cli_use.cmd_export,
-                "plot": cli_use.cmd_plot, "attend": cli_use.cmd_attend,
-                "bench": lambda args: _not_here("bench"),
-                "sweep": lambda args: _not_here("sweep")}
-    return commands[args.command](args)
 
 
 # what to lower when a command runs out of memory
@@ -421,9 +431,13 @@ def report(e: BaseException, command: str | None = None) -> int:
     return 70
 
 
-def main(argv: list[str] | None = None) -> int:
-    "Run `python -m transformer <command> ...`; returns the exit code."
-    argv = sys.argv[1:] if argv is None else list(argv)
+def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespace], int]]
+                ) -> int:
+    """Parse `argv` and run `commands[name](args)`, the function of the command it names;
+    returns the exit code. `main` in `transformer/__main__.py` passes the table: each
+    command comes from the section that builds it (`train` from C.1, the others from C.2),
+    and those sections import this one."""
+    argv = list(argv)
     debug = bool(os.environ.get("TRANSFORMER_DEBUG"))
     show = warnings.showwarning
     warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}",
@@ -431,7 +445,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
-        return _run(args)
+        if args.command not in commands:   # bench, sweep: main hands them over first
+            _not_here(args.command)
+        return commands[args.command](args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0
     # before the training loop, or a second signal inside it

@@ -22,18 +22,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..data import DataError, load_multi30k, sha256_file
+from ..data import sha256_file
 from ..tokens import Tokenizer
 from ..model import TransformerConfig
 from ..modern.gpt import build_model
 from ..training import SubwordDropout, TrainConfig, make_examples
-from ..engine.loop import train
+from ..engine.loop import final_evaluation, train
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
 from ..engine.devices import init_distributed
-from ..evaluation import bleu_callback, final_evaluation
+from ..evaluation import bleu_callback
 from ..engine.trained import check_tokenizer
 from .commands import (TRAIN_ALPHAS, VOCAB_SIZE, CLIError, Terminated,
-                             _device, _device_name, _write_json)
+                                      describe_device, load_pairs, pick_device, write_json)
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
@@ -75,8 +75,7 @@ def cap_kernel_cache(capacity: int = ONEDNN_CACHE) -> bool:
 def provenance() -> dict:
     ("Where a result comes from: the git commit of the code (call it when the run "
      "starts), the machine, the software.")
-    import transformer
-    here = Path(transformer.__file__).resolve().parent
+    here = Path(__file__).resolve().parent        # the package's files, in its repository
 
     def git(*args) -> str | None:
         try:
@@ -102,19 +101,6 @@ def provenance() -> dict:
             "python": platform.python_version(), "torch": torch.__version__,
             "platform": platform.platform(),
             "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def _pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
-    try:
-        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
-                              download=not args.no_download,
-                              progress=not getattr(args, "quiet", False),
-                              verify=not getattr(args, "unverified_data", False))
-    except DataError as e:  # say it in the words of the command line
-        raise DataError(str(e).replace("pass download=True", "drop --no-download")
-                        .replace("; in Python, verify=False)", ")")) from None
-    return (pairs[:args.eval_sentences]
-            if getattr(args, "eval_sentences", None) and split != "train" else pairs)
 
 
 def _run_config(args, model_config: TransformerConfig,
@@ -243,7 +229,7 @@ def cmd_train(args) -> int:
     if args.src == args.tgt:
         raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
                        "languages")
-    device = _device(args.device)
+    device = pick_device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
@@ -306,8 +292,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     ("The run: data, tokenizer, config.json, the training loop, then the final "
      "evaluation (process 0).")
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    train_pairs, val_pairs = (_pairs(args, "train", args.src, args.tgt),
-                              _pairs(args, "val", args.src, args.tgt))
+    train_pairs, val_pairs = (load_pairs(args, "train", args.src, args.tgt),
+                              load_pairs(args, "val", args.src, args.tgt))
     tokenizer, model_config, train_config, examples = _prepare(
         out, args, train_pairs, rank, world_size)
     tok_path = out / "tokenizer.model"
@@ -320,7 +306,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
         f"({model.num_parameters():,} parameters, "
         f"vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} "
-        f"{args.src}->{args.tgt} pairs; {_device_name(device)}"
+        f"{args.src}->{args.tgt} pairs; {describe_device(device)}"
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
     result = train(model, examples, val_examples, train_config, out_dir=out,
                    resume=args.resume,
@@ -340,7 +326,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     final_start = time.perf_counter()
     try:
         test = (None if args.eval_split == "val"
-                else _pairs(args, args.eval_split, args.src, args.tgt))
+                else load_pairs(args, args.eval_split, args.src, args.tgt))
         final = final_evaluation(
             out, tokenizer, val_pairs, test, beam_size=args.beam,
             average=train_config.keep_checkpoints,
@@ -360,7 +346,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
         return 128 + getattr(signal, name)
     results = _results(args, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
-    _write_json(out / "results.json", results)
+    write_json(out / "results.json", results)
     _report(say, args, final, result, results)
     return 0
 
@@ -408,7 +394,7 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
         _check_same_run(json.loads((out / "config.json").read_text()), run_config,
                         out / "config.json")
     elif rank == 0:
-        _write_json(out / "config.json", run_config)
+        write_json(out / "config.json", run_config)
     return tokenizer, model_config, train_config, examples
 
 
@@ -436,7 +422,7 @@ def _results(args, final: dict, result, train_config: TrainConfig, device,
             "steps": result.step, "epochs": round(result.epochs, 3),
             "stopped": result.stopped,
             "best_step": (result.best or {}).get("step"),
-            "device": _device_name(device),
+            "device": describe_device(device),
             "world_size": world_size, "torch": torch.__version__,
             "params": final["model"].num_parameters(),
             "preset": args.preset, "src": args.src, "tgt": args.tgt,

@@ -18,15 +18,14 @@ from ..engine.devices import fast_matmul
 from ..evaluation import evaluate, score
 from ..decoding import translate
 from ..engine.trained import WEIGHTS, load
-from .commands import CLIError, _device
-from .train import _pairs
+from .commands import CLIError, load_pairs, pick_device
 
 # %% auto #0
 __all__ = ['cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot', 'cmd_attend']
 
 # %% ../../book/c_2_use.ipynb #c011
 def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
-    device = _device(args.device)
+    device = pick_device(args.device)
     fast_matmul(device)                      # TF32 on a GPU, for inference as for training
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -118,7 +117,7 @@ def cmd_evaluate(args) -> int:
             raise CLIError(f"{args.model}/config.json does not say the languages; "
                            "use --src-file/--ref-file")
         split = args.split or "test_2016_flickr"
-        pairs = _pairs(args, split, data["src"], data["tgt"])
+        pairs = load_pairs(args, split, data["src"], data["tgt"])
         where = f"{split} ({data['src']}->{data['tgt']})"
     pairs = pairs[:args.limit] if args.limit else pairs
     if args.output:

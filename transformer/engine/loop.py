@@ -28,7 +28,7 @@ from .devices import (Precision, StopRequest, all_sum,  # appendix F
                                  world)
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'average_checkpoints']
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
 
 # %% ../../book/08_1_loop.ipynb #c030
 @dataclass
@@ -450,3 +450,78 @@ def average_checkpoints(paths) -> dict:
             for k, v in total.items()}
     return {"format": CHECKPOINT_FORMAT, "model_config": config, "model": mean,
             "progress": {"averaged": [p.name for p in paths]}}
+
+# %% ../../book/10_evaluation.ipynb #c013l
+from collections.abc import Sequence
+
+from .checkpoints import model_from_checkpoint
+from ..evaluation import evaluate
+from ..tokens import Tokenizer
+
+# %% ../../book/10_evaluation.ipynb #c013b
+def averaging_windows(average: int) -> list[int]:
+    """How many of the last snapshots `final_evaluation` tries averaging: `average`, then
+    its halves while they keep 5 snapshots or more (20 -> [20, 10, 5]; 5 -> [5])."""
+    sizes, n = [], average
+    while n >= 2 and (not sizes or n >= 5):
+        sizes.append(n)
+        n //= 2
+    return sizes
+
+
+def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
+                     val_pairs: Sequence[tuple[str, str]],
+                     test_pairs: Sequence[tuple[str, str]] | None = None, *,
+                     beam_size: int = 4, alpha: float | Sequence[float] = 0.6,
+                     average: int = 0, model: Transformer | None = None, device=None,
+                     run: dict | None = None) -> dict:
+    """The end of a training run in `out_dir`: choose the model on validation, score it.
+
+    The candidates are `best.pt` (else `model`, the weights in memory) and, when the run
+    kept two snapshots or more, the mean of its last snapshots (section 6.1 of the
+    paper), for each window of `averaging_windows(average)`; with several length
+    penalties `alpha`, each candidate is decoded with each. The pair with the highest
+    validation BLEU wins (a tie keeps the earlier: `best.pt`, the wider window, the first
+    `alpha`); it is scored on `test_pairs` (default: the validation pairs) with beam
+    search and greedily. The window that scored best on val is saved as `averaged.pt`
+    (with `run`). Returns the scores and the chosen model: `checkpoint` ("best" or
+    "averaged"), `averaged` (snapshot names), `alpha`, `val_by_checkpoint` (at that
+    `alpha`), `val_grid` (every candidate and alpha), `val`, `test`, `greedy`, `model`."""
+    out = Path(out_dir)
+    alphas = [alpha] if isinstance(alpha, (int, float)) else list(alpha)
+    if beam_size == 1:
+        alphas = alphas[:1]                   # greedy search has no length penalty
+    candidates = {}
+    if (out / "best.pt").exists():
+        candidates["best"] = model_from_checkpoint(out / "best.pt", device)
+    elif model is not None:
+        candidates["best"] = model.eval()
+    else:
+        raise ValueError(f"{out} holds no best.pt and no model was given")
+    snapshots, windows = sorted(out.glob("step-*.pt")), {}
+    for n in averaging_windows(average):
+        paths = snapshots[-n:]
+        if len(paths) >= 2 and len(paths) not in windows:
+            windows[len(paths)] = average_checkpoints(paths)
+            candidates[len(paths)] = model_from_checkpoint(windows[len(paths)], device)
+    grid = [(name, a, evaluate(m, tokenizer, val_pairs, beam_size=beam_size, alpha=a))
+            for name, m in candidates.items() for a in alphas]
+    name, chosen_alpha, _ = max(grid, key=lambda row: row[2]["bleu"])  # first wins a tie
+    if windows:                               # the window best on val, whatever won
+        n = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w))
+        save_checkpoint(out / "averaged.pt", candidates[n],
+                        progress=windows[n]["progress"], run=run)
+    best = candidates[name]
+    on_val = {("best" if c == "best" else "averaged"): s for c, a, s in grid
+              if a == chosen_alpha and (c == "best" or c == n)}
+    val = on_val["best" if name == "best" else "averaged"]
+    test = val if test_pairs is None else evaluate(
+        best, tokenizer, test_pairs, beam_size=beam_size, alpha=chosen_alpha)
+    greedy = test if beam_size == 1 else evaluate(
+        best, tokenizer, val_pairs if test_pairs is None else test_pairs, beam_size=1)
+    return {"checkpoint": "best" if name == "best" else "averaged",
+            "averaged": windows[n]["progress"]["averaged"] if windows else [],
+            "alpha": chosen_alpha, "val_by_checkpoint": on_val,
+            "val_grid": [{"snapshots": 0 if c == "best" else c, "alpha": a, **s}
+                         for c, a, s in grid],
+            "val": val, "test": test, "greedy": greedy, "model": best}
