@@ -381,7 +381,7 @@ def test_a_bug_shows_its_traceback_and_a_user_error_one_line(monkeypatch, raised
 
 @pytest.mark.parametrize("command", ["bench", "sweep"])
 def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
-    "`python -m transformer bench|sweep` go around cli.main (hand-written __main__.py), through the same report."
+    "`python -m transformer bench|sweep` go around run_command (hand-written __main__.py), through the same report."
     import importlib
     from transformer.__main__ import main as entry
     from transformer.engine.checkpoints import RunDirectoryError
