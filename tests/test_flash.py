@@ -195,12 +195,8 @@ def test_peak_tensor_bytes_counts_what_is_alive_at_once():
     assert peak_tensor_bytes(lambda: torch.zeros(1000)[::2].clone()) == 6000
 
 
+# the tiles' own checks; shapes are trusted, as chapter 2's attention trusts them
 BAD = [
-    (dict(key=torch.randn(2, 5, 7)), ValueError, "d_k=8 but key has d_k=7"),
-    (dict(value=torch.randn(2, 4, 8)), ValueError, "T_k=5 but value has length 4"),
-    (dict(query=torch.randn(8)), ValueError, "at least 2"),
-    (dict(mask=torch.ones(5, 5)), TypeError, "bool tensor"),
-    (dict(mask=torch.ones(4, 5, dtype=torch.bool)), ValueError, "not broadcastable"),
     (dict(mask=torch.ones(5, 5, dtype=torch.bool), is_causal=True), ValueError, "not both"),
     (dict(block_q=0), ValueError, "block_q=0 must be a positive int"),
     (dict(block_k=-3), ValueError, "block_k=-3"),

@@ -10,130 +10,44 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-# %% ../book/02_attention.ipynb #c013
-def _check_attention_inputs(query: Tensor, key: Tensor, value: Tensor,
-                            mask: Tensor | None) -> None:
-    """Raise an error that names the bad value when query, key, value and mask can't
-    go through Eq. (1) together."""
-    for name, t in (("query", query), ("key", key), ("value", value)):
-        if t.dim() < 2:
-            raise ValueError(f"{name} must have shape (..., T, d) with at least 2 "
-                             f"dimensions, got {tuple(t.shape)}")
-    if query.size(-1) != key.size(-1):
-        raise ValueError(f"query has d_k={query.size(-1)} but key has "
-                         f"d_k={key.size(-1)}; "
-                         "queries and keys must have the same last dimension")
-    if key.size(-2) != value.size(-2):
-        raise ValueError(f"key has length T_k={key.size(-2)} but value has length "
-                         f"{value.size(-2)}; "
-                         "every key needs exactly one value")
-    try:
-        batch = torch.broadcast_shapes(query.shape[:-2], key.shape[:-2],
-                                       value.shape[:-2])
-    except RuntimeError:
-        raise ValueError("the leading (batch) dimensions of query "
-                         f"{tuple(query.shape)}, key {tuple(key.shape)} "
-                         f"and value {tuple(value.shape)} "
-                         "do not broadcast together") from None
-    if mask is None:
-        return
-    if mask.dtype != torch.bool:
-        raise TypeError("mask must be a bool tensor (True = may attend), got dtype "
-                        f"{mask.dtype}; "
-                        "convert a 0/1 mask with mask.bool() and an additive 0/-inf "
-                        "mask with mask == 0")
-    scores = (*batch, query.size(-2), key.size(-2))
-    if mask.dim() < 2:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} needs at least 2 "
-                         "dimensions (..., T_q, T_k); "
-                         f"the scores have shape {scores}")
-    try:
-        ok = torch.broadcast_shapes(mask.shape, scores) == scores
-    except RuntimeError:
-        ok = False
-    if not ok:
-        raise ValueError(f"mask of shape {tuple(mask.shape)} is not broadcastable "
-                         "to the scores' shape "
-                         f"{scores} = (..., T_q, T_k)")
-
 # %% ../book/02_attention.ipynb #c015
 def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
               dropout=None) -> tuple[Tensor, Tensor]:
     """Scaled dot-product attention, Eq. (1), one step per line: the teaching path.
 
     query (..., T_q, d_k), key (..., T_k, d_k), value (..., T_k, d_v); mask: bool,
-    broadcastable to (..., T_q, T_k), True = may attend; dropout: a callable applied
-    to the weights (an `nn.Dropout`) or None.
-    Returns (output (..., T_q, d_v), weights (..., T_q, T_k)), with
-    output == weights @ value.
+    broadcastable to (..., T_q, T_k), True = may attend; dropout: applied to the weights
+    (an `nn.Dropout`) or None. Returns (output (..., T_q, d_v), weights (..., T_q, T_k)).
     A query whose keys are all masked gets zero weights and a zero output, never NaN."""
-    _check_attention_inputs(query, key, value, mask)
-    d_k = query.size(-1)
-    # (..., T_q, T_k): how well each query matches each key
-    scores = query @ key.transpose(-2, -1)
-    scores = scores / math.sqrt(d_k)  # keep their variance near 1 (chapter 3)
+    scores = query @ key.transpose(-2, -1) / math.sqrt(query.size(-1))  # (..., T_q, T_k)
     if mask is not None:
-        # a masked key gets exp(-inf) = 0 weight
-        scores = scores.masked_fill(~mask, float("-inf"))
-    weights = scores.softmax(dim=-1)  # (..., T_q, T_k): each row sums to 1
-    if mask is not None:              # a row with no key left is all NaN: make it 0
+        scores = scores.masked_fill(~mask, float("-inf"))  # exp(-inf) = 0: no weight
+    weights = scores.softmax(dim=-1)                       # each row sums to 1
+    if mask is not None:  # a row with no key left is 0/0 = NaN: make it 0
         weights = weights.masked_fill(~mask.any(dim=-1, keepdim=True), 0.0)
     if dropout is not None:
         weights = dropout(weights)
-    return weights @ value, weights  # (..., T_q, d_v): weighted average of the values
+    return weights @ value, weights  # (..., T_q, d_v): weighted averages of the values
 
 # %% ../book/03_scaling.ipynb #c018
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
-                                 mask: Tensor | None = None,
-                                 dropout_p: float = 0.0, need_weights: bool = False,
-                                 is_causal: bool = False
+                                 mask: Tensor | None = None, dropout_p: float = 0.0,
+                                 need_weights: bool = False, is_causal: bool = False
                                  ) -> tuple[Tensor, Tensor | None]:
-    """Eq. (1) with the contract of `attention`, fast: PyTorch's fused
-    `F.scaled_dot_product_attention` when the weights aren't needed, the teaching
-    path `attention` when they are.
-
-    mask: bool, broadcastable to (..., T_q, T_k), True = may attend. `dropout_p` is
-    applied to the weights whenever it is > 0, so pass 0.0 in evaluation. Returns
-    (output (..., T_q, d_v), weights (..., T_q, T_k) or None). A query whose keys are
-    all masked gets a zero output (and zero weights), never NaN.
-    `is_causal=True` instead of a mask: query i may attend to keys 0..i, and the fast
-    path never builds the mask.
-    On CPU, bfloat16/float16 inputs (or autocast) go through the kernel in float32
-    and come back in the low precision: PyTorch's low-precision CPU kernel is several
-    times slower at our sizes (measured in chapter 3)."""
-    if is_causal:
-        if mask is not None:
-            raise ValueError("pass either a mask or is_causal=True, not both; "
-                             "combine them into one mask")
-        if need_weights:   # the teaching path needs the mask written out
+    """Eq. (1) with the contract of `attention`: PyTorch's fused kernel when the weights
+    aren't needed, the teaching path when they are; -> (output, weights or None).
+    `dropout_p` applies whenever it is > 0 (pass 0.0 in evaluation). `is_causal=True`
+    instead of a mask: query i sees keys 0..i; the fused kernel never builds the mask."""
+    if need_weights:
+        if is_causal:  # the teaching path needs the triangle written out
             mask = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool,
                               device=query.device).tril()
-    if need_weights:
         dropout = (lambda w: F.dropout(w, p=dropout_p)) if dropout_p > 0 else None
         return attention(query, key, value, mask, dropout)
-    _check_attention_inputs(query, key, value, mask)
-    if query.device.type == "cpu" and (query.dtype in _LOW_PRECISION
-                                       or torch.is_autocast_enabled("cpu")):
-        low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-               else query.dtype)
-        # float32 inside, whatever autocast says
-        with torch.autocast("cpu", enabled=False):
-            out, _ = scaled_dot_product_attention(query.float(), key.float(),
-                                                  value.float(), mask, dropout_p,
-                                                  is_causal=is_causal)
-        return out.to(low), None
     if mask is None:  # the common case: nothing extra to do
         return F.scaled_dot_product_attention(query, key, value, dropout_p=dropout_p,
                                               is_causal=is_causal), None
-    # (..., T_q, 1): True where a query sees no key
-    blind = ~mask.any(dim=-1, keepdim=True)
-    # A blind row attends everywhere inside the kernel (no row of -inf ever reaches
-    # it), then its output is zeroed, in place when autograd doesn't need the
-    # kernel's output (inference), which saves a copy.
+    blind = ~mask.any(dim=-1, keepdim=True)  # (..., T_q, 1): a query that sees no key
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask | blind,
-                                         dropout_p=dropout_p)
-    return (out.masked_fill(blind, 0.0) if out.requires_grad
-            else out.masked_fill_(blind, 0.0)), None
+                                         dropout_p=dropout_p)  # blind rows see all...
+    return out.masked_fill(blind, 0.0), None                   # ...then get zero

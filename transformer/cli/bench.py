@@ -20,6 +20,7 @@ from ..model import PRESETS, Transformer, TransformerConfig
 from ..training import Seq2SeqLoss
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import cpu_has_bf16_units, fast_matmul
+from ..engine.fast import speed_up
 from .train import cap_kernel_cache, keep_freed_memory
 from .measure import (DEFAULT_MAX_TOKENS, TorchTransformer, assumed_peak_tflops,
                                  bench_data, copy_weights, environment, peak_memory,
@@ -54,7 +55,7 @@ class _Bench:
         self.config = TransformerConfig.preset(preset, src_vocab=data.vocab_size,
                                                tgt_vocab=data.vocab_size)
         ours = Transformer(self.config)
-        self.models = {"ours": ours.to(dev),
+        self.models = {"ours": speed_up(ours).to(dev),  # the fast paths, as train
                        "nn": copy_weights(ours, TorchTransformer(self.config)).to(dev)}
         self.optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4,
                                                betas=(0.9, 0.98), eps=1e-9,

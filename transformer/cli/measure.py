@@ -15,7 +15,7 @@ from torch import nn
 from ..data import load_multi30k
 from ..tokens import PAD, Embeddings, Tokenizer, pad_batch, token_batches
 from ..positions import PositionalEncoding
-from ..blocks import Dropout
+from ..engine.fast import Dropout
 from ..model import Transformer, TransformerConfig
 from ..training import Seq2SeqLoss
 from .train import provenance

@@ -19,6 +19,7 @@ from ..tokens import token_batches
 from ..model import Transformer, TransformerConfig
 from ..training import (collate, epoch_batches, make_optimizer, my_pieces,
                                   rate, Seq2SeqLoss, set_rate, TrainConfig)
+from .fast import speed_up  # appendix D.2
 from .checkpoints import (CHECKPOINT_FORMAT, CheckpointError,  # appendix E
                                      RunDirectoryError, TrainingError, check_resumable,
                                      load_checkpoint, load_optimizer_state, run_lock,
@@ -167,7 +168,7 @@ class _Loop:
                                else Precision(self.device.type))
         self.optimizer = make_optimizer(model, (config.beta1, config.beta2),
                                         config.adam_eps)
-        criterion = Seq2SeqLoss(model, config.label_smoothing)
+        criterion = Seq2SeqLoss(speed_up(model), config.label_smoothing)  # appendix D.2
         self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
         self.net = self.ddp or criterion
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
