@@ -11,14 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from transformer.engine.devices import cpu_has_bf16_units
 from torch.utils.flop_counter import FlopCounterMode
 
 from transformer.cli import bench
-from transformer.cli.measure import (TorchTransformer, assumed_peak_tflops, copy_weights, peak_memory,
-                               resolve_device, train_flops, train_step)
+from transformer.cli.measure import (
+    TorchTransformer,
+    assumed_peak_tflops,
+    copy_weights,
+    peak_memory,
+    resolve_device,
+    train_flops,
+    train_step,
+)
 from transformer.decoding import greedy_search
+from transformer.engine.devices import cpu_has_bf16_units
 from transformer.masking import causal_mask
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, PAD

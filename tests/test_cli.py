@@ -383,6 +383,7 @@ def test_a_bug_shows_its_traceback_and_a_user_error_one_line(monkeypatch, raised
 def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
     "`python -m transformer bench|sweep` go around run_command (hand-written __main__.py), through the same report."
     import importlib
+
     from transformer.__main__ import main as entry
     from transformer.engine.checkpoints import RunDirectoryError
     module = importlib.import_module(f"transformer.cli.{command}")
@@ -471,6 +472,7 @@ def test_python_dash_m_runs_main():
 
 def test_keep_freed_memory_applies_on_glibc():
     import platform
+
     from transformer.cli.train import keep_freed_memory
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
@@ -637,8 +639,9 @@ def test_disk_full_while_saving(trained, tmp_path, monkeypatch):
 def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
     "The same with a real full file system (a 64 KiB tmpfs), where the machine lets us mount one."
     import errno
+
+    from transformer.engine.checkpoints import SaveError, load_checkpoint, save_checkpoint
     from transformer.model import Transformer, TransformerConfig
-    from transformer.engine.checkpoints import load_checkpoint, save_checkpoint, SaveError
     disk = tmp_path / "disk"
     disk.mkdir()
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
@@ -780,7 +783,7 @@ def test_the_shipped_model_translates_on_a_fresh_clone():
     code, stdout, err = run("translate", "--model", model_dir, "Ein Hund läuft im Schnee.")
     assert code == 0 and err == "", err
     assert "dog" in stdout and "snow" in stdout, stdout
-    import transformer                                                    # the Python API of issue 29
+    import transformer  # the Python API of issue 29
     assert "dog" in transformer.load(model_dir).translate(["Ein Hund läuft im Schnee."])[0]
 
 

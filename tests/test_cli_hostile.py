@@ -11,15 +11,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cli import TRAIN, assert_one_line_error, run
+from test_sweep import _children, sweep, write_variants
 
 import transformer.cli.train as cli_train
 import transformer.cli.use as cli_use
-from transformer.figures import plots
 from transformer.cli.commands import Terminated
-from transformer.engine.trained import load
 from transformer.cli.sweep import Variant, read_variants
-from test_cli import TRAIN, assert_one_line_error, run
-from test_sweep import _children, sweep, write_variants
+from transformer.engine.trained import load
+from transformer.figures import plots
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "book" / "model"          # the shipped model: 3 layers, 4 heads

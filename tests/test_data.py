@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from transformer import data
-from transformer.data import (LANGS, SHA256, SPLITS, DataError, cache_dir, download_multi30k,
-                              load_multi30k, multi30k_dir, read_parallel)
+from transformer.data import (
+    LANGS,
+    SHA256,
+    SPLITS,
+    DataError,
+    cache_dir,
+    download_multi30k,
+    load_multi30k,
+    multi30k_dir,
+    read_parallel,
+)
 
 REAL_DATA = os.environ.get("TRANSFORMER_DATA")  # captured before the autouse fixture clears it
 

@@ -5,12 +5,11 @@ import pytest
 import torch
 
 from transformer.decoding import beam_search, greedy_search, length_penalty, translate
+from transformer.engine.checkpoints import model_from_checkpoint
+from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 from transformer.training import TrainConfig
-from transformer.engine.loop import train
-from transformer.engine.checkpoints import model_from_checkpoint
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -303,10 +302,10 @@ def test_cross_attention_keys_and_values_are_computed_once(monkeypatch):
 
 # --- beam search on the device = the host-side beam search it replaced --------------------------
 
-from transformer.decoding import _output_limits, _start, _until_eos  # noqa: E402
-from transformer.tokens import BOS as _BOS  # noqa: E402
 import math  # noqa: E402
 
+from transformer.decoding import _output_limits, _start, _until_eos  # noqa: E402
+from transformer.tokens import BOS as _BOS  # noqa: E402
 
 
 @torch.no_grad()

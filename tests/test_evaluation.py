@@ -101,6 +101,7 @@ def _tiny_translation_setup():
 
 def _sharded_callback_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
+
     import transformer.evaluation as ev
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -118,7 +119,9 @@ def _sharded_callback_worker(rank, world_size, port, out_dir):
 @pytest.mark.slow
 def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_path):
     import socket
+
     import torch.multiprocessing as mp
+
     from transformer.decoding import translate
     tokenizer, model, pairs = _tiny_translation_setup()
     expected_hyps = translate(model, tokenizer, [s for s, _ in pairs])
@@ -134,8 +137,8 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
 
 
 def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
-    from transformer.engine.loop import final_evaluation
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
+    from transformer.engine.loop import final_evaluation
     tokenizer, model, pairs = _tiny_translation_setup()
     save_checkpoint(tmp_path / "best.pt", model)
     for step in (1, 2, 3):
@@ -159,8 +162,8 @@ def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
 
 
 def test_final_evaluation_tries_windows_and_alphas_on_val(tmp_path):
-    from transformer.engine.loop import averaging_windows, final_evaluation
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
+    from transformer.engine.loop import averaging_windows, final_evaluation
     assert averaging_windows(20) == [20, 10, 5] and averaging_windows(5) == [5]
     assert averaging_windows(8) == [8] and averaging_windows(1) == []
     tokenizer, model, pairs = _tiny_translation_setup()

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
 from transformer.decoding import beam_search, greedy_search
-from transformer.modern.gpt import DecoderOnly, build_model, pack, sequence_mask
+from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
+from transformer.modern.gpt import DecoderOnly, build_model, pack, sequence_mask
 from transformer.tokens import BOS, EOS, PAD, pad_batch
 from transformer.training import TrainConfig
 

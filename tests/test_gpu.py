@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from transformer.engine.loop import _Loop, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
-from transformer.training import collate
-from transformer.training import TrainConfig
-from transformer.engine.loop import _Loop, train
+from transformer.training import TrainConfig, collate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from transformer.modern.gqa import GroupedQueryAttention, KVCache
 from transformer.heads import MultiHeadAttention
+from transformer.modern.gqa import GroupedQueryAttention, KVCache
 from transformer.modern.rope import apply_rope, rope_cos_sin
 
 D, H = 48, 6

@@ -156,10 +156,7 @@ def test_the_package_has_no_import_cycle():
 
 # Known breaches in modules whose notebooks are being rewritten elsewhere; each is one import to fix,
 # then delete its line here (test_no_breach_at_all_not_even_a_pending_one says when none is left).
-PENDING = [
-    # 16_flash imports 02_attention's input check: make it public there (check_attention_inputs)
-    "modern.flash imports attention._check_attention_inputs",
-]
+PENDING: list[str] = []   # breaches known and not fixed yet (none now)
 
 
 def test_every_import_goes_down_the_layers_and_no_private_name_crosses_a_module():

@@ -11,8 +11,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
 TOC = yaml.safe_load((ROOT / "_toc.yml").read_text())
-NOTEBOOKS = [c["file"] for p in TOC["parts"] for c in p["chapters"]] + \
-            [s["file"] for p in TOC["parts"] for c in p["chapters"] for s in c.get("sections", [])]
+ENTRIES = [c["file"] for p in TOC["parts"] for c in p["chapters"]] + \
+          [s["file"] for p in TOC["parts"] for c in p["chapters"] for s in c.get("sections", [])]
+# the pages that are notebooks (appendix G, the API reference, is a reStructuredText page)
+NOTEBOOKS = [e for e in ENTRIES if (ROOT / f"{e}.ipynb").exists()]
 SPEC = f'transformer-book @ git+{CONFIG["repository"]["url"]}@{CONFIG["repository"]["branch"]}'
 
 

@@ -17,12 +17,13 @@ matplotlib.use("Agg")   # no display, whatever the environment says
 import pytest
 import torch
 
-from transformer.figures import plots
 from transformer.__main__ import main
-from transformer.engine.trained import load
 from transformer.decoding import translate
-from transformer.positions import sinusoidal_encoding
 from transformer.engine.checkpoints import read_metrics
+from transformer.engine.trained import load
+from transformer.figures import plots
+from transformer.heads import MultiHeadAttention
+from transformer.positions import sinusoidal_encoding
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "book" / "results"
@@ -148,17 +149,28 @@ def test_attention_weights_of_the_shipped_model(shipped):
     src = torch.tensor([tokenizer.encode(SENTENCE, eos=True)])
     tgt_in = torch.tensor([[tokenizer.piece_to_id(p) for p in att.read]])
     layer = model.decoder.layers[-1].cross_attn
-    layer.store_weights = True
-    try:
-        with torch.no_grad():
-            model(src, tgt_in)
-        assert torch.allclose(layer.last_weights[0], att.cross[-1], atol=1e-6)
-    finally:
-        layer.store_weights, layer.last_weights = False, None
-    # and the model is left as it was
+    # the last cross-attention's weights, recorded around the same teacher-forced pass
+    with torch.no_grad(), plots.recording_attention([layer]) as records:
+        model(src, tgt_in)
+    assert len(records[layer]) == 1
+    assert torch.allclose(records[layer][0][0], att.cross[-1], atol=1e-6)
+    # and the model is left as it was: no hook asks for weights any more
     assert not model.training
-    assert all(not m.store_weights and m.last_weights is None
-               for m in model.modules() if hasattr(m, "store_weights"))
+    x = torch.zeros(1, 2, model.config.d_model)
+    assert all(m(x, x, x)[1] is None for m in model.modules()
+               if isinstance(m, MultiHeadAttention))
+
+
+def test_recording_attention_asks_for_weights_passed_either_way():
+    torch.manual_seed(0)
+    mha = MultiHeadAttention(16, 4).eval()
+    x = torch.randn(2, 5, 16)
+    with torch.no_grad(), plots.recording_attention([mha]) as records:
+        out, w = mha(x, x, x)                       # keyword default
+        out2, w2 = mha(x, x, x, None, False)        # need_weights=False, positionally
+    assert w is not None and w2 is not None and len(records[mha]) == 2
+    assert torch.equal(records[mha][0], mha(x, x, x, need_weights=True)[1])
+    assert mha(x, x, x)[1] is None                  # the hooks are gone after the block
 
 
 def test_attention_weights_leave_training_mode_and_take_a_beam(shipped):
@@ -236,7 +248,7 @@ def test_german_text_has_every_glyph_whatever_the_default_font(shipped):
         figs = [plots.attention_maps(att, "cross"), plots.learning_curves(runs)]
         for fig in figs:
             for fmt in plots.FORMATS:
-                assert _glyph_warnings(lambda: plots.to_bytes(fig, fmt)) == [], fmt
+                assert _glyph_warnings(lambda fig=fig, fmt=fmt: plots.to_bytes(fig, fmt)) == [], fmt
     labels = figs[0].axes[0].get_yticklabels() + figs[0].axes[-2].get_xticklabels()
     assert {t.get_fontfamily()[0] for t in labels} == {plots.FONT}
     assert any("ä" in t.get_text() for t in labels) and any("▁" in t.get_text() for t in labels)

@@ -13,9 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from transformer.cli.sweep import (
+    KEEP,
+    SweepError,
+    Variant,
+    collect,
+    command_line,
+    main,
+    read_variants,
+    run_state,
+)
 from transformer.engine.checkpoints import load_checkpoint
-from transformer.cli.sweep import (KEEP, SweepError, Variant, collect, command_line, main, read_variants,
-                               run_state)
 from transformer.engine.trained import load
 
 ROOT = Path(__file__).resolve().parents[1]

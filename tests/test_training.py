@@ -4,23 +4,41 @@ import math
 import os
 import signal
 import socket
-from pathlib import Path
 from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
+from transformer.engine.checkpoints import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    RunDirectoryError,
+    SaveError,
+    TrainingError,
+    atomic_write,
+    load_checkpoint,
+    model_bytes,
+    model_from_checkpoint,
+    read_metrics,
+    run_lock,
+    save_checkpoint,
+    strip_prefixes,
+)
+from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD
-from transformer.training import collate, epoch_batches, label_smoothed_nll, my_pieces, rate, Seq2SeqLoss
-from transformer.training import TrainConfig
-from transformer.engine.loop import train
-from transformer.engine.checkpoints import (atomic_write, CHECKPOINT_FORMAT, CheckpointError, load_checkpoint, model_bytes,
-                                     model_from_checkpoint, read_metrics, run_lock, RunDirectoryError, save_checkpoint,
-                                     SaveError, strip_prefixes, TrainingError)
-
+from transformer.training import (
+    Seq2SeqLoss,
+    TrainConfig,
+    collate,
+    epoch_batches,
+    label_smoothed_nll,
+    my_pieces,
+    rate,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -345,7 +363,8 @@ def test_checkpoints_record_the_run(tmp_path):
 
 @pytest.mark.slow
 def test_run_lock_is_exclusive_reentrant_and_leaves_nothing(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     out = tmp_path / "run"
     with run_lock(out):
         assert (out / ".lock").read_text().strip() == str(os.getpid())
@@ -490,6 +509,7 @@ def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monk
     """On a fake clock where a step takes 1 s and an evaluation 5 s, a run stops while one more
     step and the final evaluation still fit: it reports at most its budget."""
     import types
+
     import transformer.engine.loop as loop
     now = [0.0]
     monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
@@ -642,7 +662,7 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
         torch.manual_seed(0)
         model = Transformer(tiny_config())
         seen = []
-        hook = model.generator.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+        hook = model.generator.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
         import warnings
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="cpu_bf16=True on a CPU without bf16")
@@ -752,8 +772,8 @@ def test_seq2seq_loss_equals_the_explicit_masked_path():
 
 # --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
 
-from transformer.training import cross_entropy_sums
 from transformer.engine.loop import check_examples
+from transformer.training import cross_entropy_sums
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
@@ -806,8 +826,9 @@ def test_the_training_step_compiles_into_one_graph_with_no_break():
 @pytest.mark.slow
 def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_path):
     "train(compile=True) over batches of many shapes: the batch and length dims are dynamic, one graph."
-    from torch._dynamo.utils import counters
     import functools
+
+    from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))  # no C++ build
@@ -832,8 +853,8 @@ def test_train_checks_token_ids_once_at_the_data_boundary():
 
 
 def test_load_optimizer_state_keeps_this_devices_kernel():
-    from transformer.training import make_optimizer
     from transformer.engine.checkpoints import load_optimizer_state
+    from transformer.training import make_optimizer
     model = Transformer(tiny_config())
     old = torch.optim.Adam(model.parameters(), lr=0.1, foreach=True)  # a checkpoint of an older run
     model(torch.tensor([[4, 5, EOS]]), torch.tensor([[BOS, 4]])).sum().backward()

@@ -74,7 +74,7 @@ class DecoderLayer(nn.Module):
                 tgt_is_causal: bool = False, cache=None) -> torch.Tensor:
         """y (B, T, d_model), memory (B, S, d_model). `tgt_is_causal=True` (with
         `tgt_mask=None`): the causal mask as a flag for the fast kernel. cache: a pair of
-        `KVCache`s, self- and cross-attention (chapter 9)."""
+        `KVCache` objects, self- and cross-attention (chapter 9)."""
         self_cache, cross_cache = cache or (None, None)
         y = residual(y, lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal,
                                                  cache=self_cache)[0],
@@ -113,7 +113,7 @@ class Decoder(nn.Module):
                 tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None, tgt_is_causal: bool = False,
                 caches: list | None = None) -> torch.Tensor:
-        "caches: one pair of `KVCache`s per layer (chapter 9), or None."
+        "caches: one pair of `KVCache` objects per layer (chapter 9), or None."
         for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
             y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal, cache)
         return self.norm(y)                                     # (B, T, d_model)

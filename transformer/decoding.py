@@ -8,16 +8,16 @@ import warnings
 
 import torch
 
-from .tokens import PAD, BOS, EOS, Tokenizer, pad_batch
-from .masking import padding_mask, causal_mask
+from .masking import causal_mask, padding_mask
 from .model import Transformer
+from .tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 
 # %% auto #0
 __all__ = ['length_penalty', 'KVCache', 'PrefixDecoder', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate']
 
 # %% ../book/09_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
-    "GNMT's lp(Y) = ((5 + |Y|) / 6) ** alpha; |Y| counts output tokens including EOS."
+    "GNMT's lp(Y) = ((5 + `len(Y)`) / 6) ** alpha; `len(Y)` counts output tokens, EOS included."
     return ((5.0 + length) / 6.0) ** alpha
 
 
@@ -122,7 +122,7 @@ class PrefixDecoder:
 
 class CachedDecoder:
     """Next-token logits from the newest token only: `Transformer.decode` with a pair
-    of `KVCache`s per decoder layer, the self-attention's (one position appended per
+    of `KVCache` objects per decoder layer, the self-attention's (one position appended per
     step) and the cross-attention's (the memory's keys and values, computed once)."""
 
     def __init__(self, model: Transformer, memory: torch.Tensor,

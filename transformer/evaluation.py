@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from .tokens import Tokenizer
-from .model import Transformer
 from .decoding import translate
+from .model import Transformer
+from .tokens import Tokenizer
 
 # %% auto #0
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']

@@ -9,11 +9,10 @@ from dataclasses import asdict, dataclass, fields
 import torch
 from torch import nn
 
-from .tokens import PAD, Embeddings
-from .positions import (LearnedPositionalEmbedding, NoPositions,
-                                  PositionalEncoding)
 from .blocks import Decoder, Encoder
-from .masking import padding_mask, decoder_mask
+from .masking import decoder_mask, padding_mask
+from .positions import LearnedPositionalEmbedding, NoPositions, PositionalEncoding
+from .tokens import PAD, Embeddings
 
 # %% ../book/07_1_model.ipynb #c005
 PRESETS: dict[str, dict] = {

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .tokens import PAD, UNK, BOS, EOS, Tokenizer, token_batches, pad_batch
 from .masking import teacher_forcing
 from .model import Transformer, config_from_dict
+from .tokens import PAD, UNK, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
 __all__ = ['TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'merge_children', 'SubwordDropout', 'Seq2SeqLoss', 'TrainConfig', 'fused_smoothed_cross_entropy', 'cross_entropy_sums']
@@ -226,7 +226,7 @@ class Seq2SeqLoss(nn.Module):
             return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
         # GPU or compiled: every position, no data-dependent shapes
         logits = self.model.generator(hidden)                       # (B, T-1, V)
-        return cross_entropy_sums(logits, tgt_out, self.epsilon, pad)
+        return cross_entropy_sums(logits, tgt_out, self.epsilon, pad)  # noqa: F821 (appendix D)
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {

@@ -14,17 +14,26 @@ from pathlib import Path
 
 import torch
 
-from ..tokens import EOS, PAD
+from transformer.cli.measure import (
+    DEFAULT_MAX_TOKENS,
+    TorchTransformer,
+    assumed_peak_tflops,
+    bench_data,
+    copy_weights,
+    environment,
+    peak_memory,
+    resolve_device,
+    train_flops,
+    train_step,
+)
+from .train import cap_kernel_cache, keep_freed_memory
 from ..decoding import greedy_search
-from ..model import PRESETS, Transformer, TransformerConfig
-from ..training import Seq2SeqLoss
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import cpu_has_bf16_units, fast_matmul
 from ..engine.fast import speed_up
-from .train import cap_kernel_cache, keep_freed_memory
-from .measure import (DEFAULT_MAX_TOKENS, TorchTransformer, assumed_peak_tflops,
-                                 bench_data, copy_weights, environment, peak_memory,
-                                 resolve_device, train_flops, train_step)
+from ..model import PRESETS, Transformer, TransformerConfig
+from ..tokens import EOS, PAD
+from ..training import Seq2SeqLoss
 
 # %% auto #0
 __all__ = ['DECODE_EXTRA', 'run_bench', 'format_table', 'main']
@@ -144,13 +153,14 @@ class _Bench:
         for name, model in self.models.items():
             model.train()
             mem_train[name] = peak_memory(
-                lambda: train_step(model, self.optimizers[name], *biggest,
-                                   self.autocast, self.losses[name]), self.dev)
+                lambda model=model, name=name: train_step(
+                    model, self.optimizers[name], *biggest, self.autocast, self.losses[name]),
+                self.dev)
             model.eval()
             with torch.autocast(self.dev.type, dtype=torch.bfloat16,
                                 enabled=self.autocast):
                 mem_decode[name] = peak_memory(
-                    lambda: greedy_search(model, self.decode_srcs[0],
+                    lambda model=model: greedy_search(model, self.decode_srcs[0],
                                           extra_len=DECODE_EXTRA, cache=False),
                     self.dev)
         return mem_train, mem_decode

@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
-from ..tokens import Tokenizer
-from ..model import ARCHS, POSITIONS, PRESETS, Transformer
 from ..engine.checkpoints import atomic_write
 from ..engine.trained import load
+from ..model import ARCHS, POSITIONS, PRESETS, Transformer
+from ..tokens import Tokenizer
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'pick_device',

@@ -12,13 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .train import provenance
 from ..data import load_multi30k
-from ..tokens import PAD, Embeddings, Tokenizer, pad_batch, token_batches
-from ..positions import PositionalEncoding
 from ..engine.fast import Dropout
 from ..model import Transformer, TransformerConfig
+from ..positions import PositionalEncoding
+from ..tokens import PAD, Embeddings, Tokenizer, pad_batch, token_batches
 from ..training import Seq2SeqLoss
-from .train import provenance
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a
 # prototype: not our concern

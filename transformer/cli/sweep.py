@@ -15,9 +15,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .train import RUN_FILES
 from ..data import UserError
 from ..engine.checkpoints import RunDirectoryError, atomic_write, run_lock
-from .train import RUN_FILES
 
 # %% auto #0
 __all__ = ['COMMANDS', 'KEEP', 'SweepError', 'Variant', 'read_variants', 'run_state', 'command_line', 'run_sweep', 'collect',

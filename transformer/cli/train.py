@@ -22,18 +22,26 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from transformer.cli.commands import (
+    TRAIN_ALPHAS,
+    VOCAB_SIZE,
+    CLIError,
+    Terminated,
+    describe_device,
+    load_pairs,
+    pick_device,
+    write_json,
+)
 from ..data import sha256_file
-from ..tokens import Tokenizer
-from ..model import TransformerConfig
-from ..modern.gpt import build_model
-from ..training import SubwordDropout, TrainConfig, make_examples
-from ..engine.loop import final_evaluation, train
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
 from ..engine.devices import init_distributed
-from ..evaluation import bleu_callback
+from ..engine.loop import final_evaluation, train
 from ..engine.trained import check_tokenizer
-from .commands import (TRAIN_ALPHAS, VOCAB_SIZE, CLIError, Terminated,
-                                      describe_device, load_pairs, pick_device, write_json)
+from ..evaluation import bleu_callback
+from ..model import TransformerConfig
+from ..modern.gpt import build_model
+from ..tokens import Tokenizer
+from ..training import SubwordDropout, TrainConfig, make_examples
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
@@ -161,7 +169,7 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
                                                 compile=args.compile, **overrides)
     # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
     except ValueError as e:
-        raise CLIError(re.sub(r"\b(\w+)=(\S+)", _as_flag, str(e), count=2))
+        raise CLIError(re.sub(r"\b(\w+)=(\S+)", _as_flag, str(e), count=2)) from None
 
 
 # model fields whose flag has another name than the field

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import torch
 
+from .commands import CLIError, load_pairs, pick_device
 from ..data import read_parallel
-from ..tokens import Tokenizer
-from ..model import Transformer
+from ..decoding import translate
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import fast_matmul
-from ..evaluation import evaluate, score
-from ..decoding import translate
 from ..engine.trained import WEIGHTS, load
-from .commands import CLIError, load_pairs, pick_device
+from ..evaluation import evaluate, score
+from ..model import Transformer
+from ..tokens import Tokenizer
 
 # %% auto #0
 __all__ = ['cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot', 'cmd_attend']

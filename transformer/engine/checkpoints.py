@@ -19,12 +19,13 @@ import torch
 from torch import nn
 
 try:
-    import fcntl                    # POSIX file locks (Linux, macOS)
+    import fcntl  # POSIX file locks (Linux, macOS)
 except ImportError:                 # Windows: run directories are not locked there
     fcntl = None
 
 from ..data import UserError
 from ..model import Transformer, TransformerConfig
+from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
@@ -110,7 +111,7 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer,
                     optimizer: torch.optim.Optimizer | None = None,
-                    train_config: "TrainConfig | None" = None,
+                    train_config: TrainConfig | None = None,
                     progress: dict | None = None,
                     run: dict | None = None) -> Path:
     """Write model weights + config (+ optimizer, training config, progress) to `path`,

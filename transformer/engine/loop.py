@@ -9,24 +9,48 @@ import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from ..tokens import token_batches
-from ..model import Transformer, TransformerConfig
-from ..training import (collate, epoch_batches, make_optimizer, my_pieces,
-                                  rate, Seq2SeqLoss, set_rate, TrainConfig)
+from transformer.engine.checkpoints import (  # appendix E
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    RunDirectoryError,
+    TrainingError,
+    check_resumable,
+    load_checkpoint,
+    load_optimizer_state,
+    run_lock,
+    save_checkpoint,
+    strip_prefixes,
+    truncate_metrics,
+)
+from transformer.engine.devices import (  # appendix F
+    Precision,
+    StopRequest,
+    all_sum,
+    choose_precision,
+    distributed,
+    fast_matmul,
+    prefetch,
+    world,
+)
 from .fast import speed_up  # appendix D.2
-from .checkpoints import (CHECKPOINT_FORMAT, CheckpointError,  # appendix E
-                                     RunDirectoryError, TrainingError, check_resumable,
-                                     load_checkpoint, load_optimizer_state, run_lock,
-                                     save_checkpoint, strip_prefixes, truncate_metrics)
-from .devices import (Precision, StopRequest, all_sum,  # appendix F
-                                 choose_precision, distributed, fast_matmul, prefetch,
-                                 world)
+from ..model import Transformer, TransformerConfig
+from ..tokens import token_batches
+from transformer.training import (
+    Seq2SeqLoss,
+    TrainConfig,
+    collate,
+    epoch_batches,
+    make_optimizer,
+    my_pieces,
+    rate,
+    set_rate,
+)
 
 # %% auto #0
 __all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
@@ -204,8 +228,8 @@ class _Loop:
                                  f"from {len(examples)} examples in "
                                  f"{self.pieces} pieces; "
                                  "lower accum_steps or use more data")
-            for index in range(index, len(steps)):
-                yield epoch, index, len(steps), examples, steps[index]
+            for i in range(index, len(steps)):
+                yield epoch, i, len(steps), examples, steps[i]
             epoch, index = epoch + 1, 0
 
     def tensors(self, item) -> list[torch.Tensor]:

@@ -11,14 +11,20 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import safe_open, save as safetensors_bytes
+from safetensors.torch import safe_open
+from safetensors.torch import save as safetensors_bytes
 
 from ..data import sha256_file
-from ..tokens import Tokenizer
-from ..model import Transformer
 from ..decoding import translate
-from .checkpoints import (CHECKPOINT_FORMAT, CheckpointError, atomic_write,
-                                     load_checkpoint, model_from_checkpoint)
+from transformer.engine.checkpoints import (
+    CHECKPOINT_FORMAT,
+    CheckpointError,
+    atomic_write,
+    load_checkpoint,
+    model_from_checkpoint,
+)
+from ..model import Transformer
+from ..tokens import Tokenizer
 
 # %% auto #0
 __all__ = ['CHECKPOINTS', 'WEIGHTS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer', 'TrainedModel',

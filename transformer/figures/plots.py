@@ -23,11 +23,11 @@ except ImportError as e:                       # the package's figures are an ex
     raise ImportError(f"transformer.figures.plots needs matplotlib ({e}): pip install "
                       "'transformer-book[figures]'") from None
 
-from ..tokens import BOS, EOS, Tokenizer
-from ..positions import sinusoidal_encoding
-from ..model import Transformer
-from ..engine.checkpoints import TrainingError, read_metrics
 from ..decoding import beam_search, greedy_search
+from ..engine.checkpoints import TrainingError, read_metrics
+from ..model import Transformer
+from ..positions import sinusoidal_encoding
+from ..tokens import BOS, EOS, Tokenizer
 
 # DejaVu Sans ships with matplotlib and has every glyph the figures print: umlauts, ß,
 # sentencepiece's word mark ▁ and its unknown-piece mark ⁇. Pinned here, so that a
@@ -87,8 +87,8 @@ def save_figure(fig: Figure, path: str | os.PathLike, dpi: int = 150) -> Path:
 
 # %% auto #0
 __all__ = ['FONT', 'STYLE', 'FORMATS', 'CURVES', 'KINDS', 'MAX_PIECES', 'MAX_PIXELS', 'MAX_SIDE', 'image_format', 'to_bytes',
-           'save_figure', 'read_runs', 'learning_curves', 'AttentionWeights', 'attention_weights',
-           'attention_maps_pixels', 'attention_maps', 'positional_encoding']
+           'save_figure', 'read_runs', 'learning_curves', 'AttentionWeights', 'recording_attention',
+           'attention_weights', 'attention_maps_pixels', 'attention_maps', 'positional_encoding']
 
 # %% ../../book/b_1_plots.ipynb #p006
 def read_runs(dirs: Sequence[str | os.PathLike] | str | os.PathLike
@@ -228,12 +228,38 @@ def _check_kind(kind: str) -> None:
         raise ValueError(f"kind={kind!r} is not one of {', '.join(KINDS)}")
 
 
+@contextlib.contextmanager
+def recording_attention(modules: Sequence[torch.nn.Module]):
+    """Within the block, every call of each `MultiHeadAttention` in `modules` is asked for
+    its weights (`need_weights=True`, chapter 4) by a forward hook, which keeps them:
+    yields a dict module -> list of per-head weights (B, h, T_q, T_k), one per call,
+    detached. The hooks are removed on the way out; the modules hold no state."""
+    records = {m: [] for m in modules}
+
+    def ask(module, args, kwargs):   # need_weights is forward's 5th argument
+        if len(args) > 4:
+            return (*args[:4], True, *args[5:]), kwargs
+        return args, {**kwargs, "need_weights": True}
+
+    def keep(module, args, kwargs, output):
+        records[module].append(output[1].detach())
+
+    handles = [h for m in modules for h in (
+        m.register_forward_pre_hook(ask, with_kwargs=True),
+        m.register_forward_hook(keep, with_kwargs=True))]
+    try:
+        yield records
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def attention_weights(model: Transformer, tokenizer: Tokenizer, sentence: str,
                       beam_size: int = 1, alpha: float = 0.6) -> AttentionWeights:
     """Translate `sentence` (greedy search; beam search when `beam_size` > 1), then
     feed the source and that translation through the model once, teacher-forced, and
-    keep every `MultiHeadAttention`'s weights (`store_weights`, chapter 4)."""
+    keep every `MultiHeadAttention`'s weights (`recording_attention`)."""
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence={sentence!r}: pass a sentence to translate")
     ids = tokenizer.encode(sentence.strip(), eos=True)
@@ -246,21 +272,16 @@ def attention_weights(model: Transformer, tokenizer: Tokenizer, sentence: str,
                for kind, stack, attr in (("encoder", model.encoder, "self_attn"),
                                          ("decoder", model.decoder, "self_attn"),
                                          ("cross", model.decoder, "cross_attn"))}
-    before = [(m, m.store_weights, m.last_weights)
-              for ms in modules.values() for m in ms]
     was_training = model.training
     model.eval()
     try:
         out = (greedy_search(model, src) if beam_size == 1
                else beam_search(model, src, beam_size, alpha))[0]        # no BOS/EOS
-        for m, _, _ in before:
-            m.store_weights = True
-        model(src, torch.tensor([[BOS] + out], device=device))           # (1, T, V)
-        weights = {kind: torch.stack([m.last_weights[0] for m in ms]).float().cpu()
+        with recording_attention([m for ms in modules.values() for m in ms]) as records:
+            model(src, torch.tensor([[BOS] + out], device=device))       # (1, T, V)
+        weights = {kind: torch.stack([records[m][0][0] for m in ms]).float().cpu()
                    for kind, ms in modules.items()}                      # (N, h, ., .)
     finally:                                      # the model as it was
-        for m, store, last in before:
-            m.store_weights, m.last_weights = store, last
         model.train(was_training)
     piece = tokenizer.id_to_piece
     return AttentionWeights(sentence=sentence.strip(),
@@ -350,6 +371,11 @@ def attention_maps(weights: AttentionWeights, kind: str = "cross",
 def positional_encoding(max_len: int = 100, d_model: int = 128) -> Figure:
     """The sinusoidal table PE of chapter 5 as a heat map: a row per position, a column
     per dimension (sin on even dimensions, cos on odd ones)."""
+    for name, value, even in (("max_len", max_len, False), ("d_model", d_model, True)):
+        if (isinstance(value, bool) or not isinstance(value, int) or value < 1
+                or (even and value % 2)):
+            raise ValueError(f"{name}={value!r} must be a positive "
+                             + ("even int (sin/cos come in pairs)" if even else "int"))
     pe = sinusoidal_encoding(max_len, d_model)                   # (max_len, d_model)
     fig = _figure(figsize=(7, 4.5))
     with matplotlib.rc_context(STYLE):

@@ -174,10 +174,10 @@ def architecture(highlight: str | None = None, scale: float = 1.0,
         out.append(f'<text x="{x + 6}" y="{y + 16}" fill="#334155" '
                    f'font-style="italic">{name}</text>')
     # the residual stream, bottom to top
-    for x_mid, col_x in ((_ENC_X + _W / 2, _ENC_X), (_DEC_X + _W / 2, _DEC_X)):
+    for x_mid in (_ENC_X + _W / 2, _DEC_X + _W / 2):
         out.append(line(x_mid, 605, x_mid, 590))
         out.append(line(x_mid, 560, x_mid, 532))
-    for key, label, x, y, parts in _BOXES:
+    for _key, label, x, y, parts in _BOXES:
         bg, stroke = fill(on(parts))
         out.append(f'<rect x="{x}" y="{y}" width="{_W}" height="{_H}" rx="5" '
                    f'fill="{bg}" stroke="{stroke}" stroke-width="1.5"/>')

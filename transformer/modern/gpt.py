@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..tokens import Embeddings
 from ..blocks import Encoder
-from ..model import POSITIONS, Transformer, TransformerConfig
 from ..decoding import KVCache
+from ..model import POSITIONS, Transformer, TransformerConfig
+from ..tokens import Embeddings
 
 # %% auto #0
 __all__ = ['pack', 'sequence_mask', 'DecoderOnly', 'PrefixState', 'build_model', 'CachedState']
