@@ -63,7 +63,7 @@ def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
 def speed_up(model: nn.Module) -> nn.Module:
     """The engine's fast paths, swapped into `model` in place (and returned): every
     `nn.Dropout` becomes `Dropout`, every `MultiHeadAttention` attends with
-    `float32_attention`. The same function, proved in appendix D; only the speed differs."""
+    `float32_attention`. The same function (proved in appendix D.2); only the speed differs."""
     for module in list(model.modules()):
         for name, child in module.named_children():
             if type(child) is nn.Dropout:
