@@ -85,5 +85,6 @@ def test_the_spec_installs_in_an_empty_venv_from_the_local_checkout(tmp_path):
     assert str(venv) in where.stdout and where.stdout.strip().endswith("transformer/__init__.py"), where
     files = subprocess.run([str(python), "-m", "pip", "show", "--files", "transformer-book"],
                            capture_output=True, text=True).stdout
-    for module in ("loop.py", "training.py", "devices.py", "cli.py"):    # the generated modules came along
+    for module in ("training.py", "engine/loop.py", "engine/devices.py", "cli/commands.py",
+                   "modern/gpt.py", "figures/plots.py"):       # the generated modules came along, subpackages too
         assert f"transformer/{module}" in files
