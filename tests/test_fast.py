@@ -1,6 +1,7 @@
 """Appendix D's fast paths (transformer.engine.fast): the cheaper CPU dropout mask and its module,
 `float32_attention` (CPU low precision through the float32 kernel), and `speed_up`, which swaps
-both into a model without changing the function it computes."""
+both into a model without changing the function it computes; and the loss on the real positions in one
+pass (`fused_smoothed_cross_entropy`, `FastSeq2SeqLoss`), equal to chapter 8's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,9 +9,17 @@ from torch import nn
 
 from transformer.attention import scaled_dot_product_attention
 from transformer.blocks import DecoderLayer, EncoderLayer
-from transformer.engine.fast import Dropout, dropout_mask, float32_attention, speed_up
+from transformer.engine.fast import (
+    Dropout,
+    FastSeq2SeqLoss,
+    dropout_mask,
+    float32_attention,
+    fused_smoothed_cross_entropy,
+    speed_up,
+)
 from transformer.heads import MultiHeadAttention
 from transformer.model import Transformer, TransformerConfig
+from transformer.training import Seq2SeqLoss, label_smoothed_nll
 
 D, H, D_FF, V = 32, 4, 64, 40
 F64 = torch.float64
@@ -232,3 +241,75 @@ def test_speed_up_is_idempotent():
     src, tgt = batch()
     with torch.no_grad():
         assert torch.equal(model(src, tgt), speed_up(model)(src, tgt))
+
+
+# ---- the loss on the real positions, in one pass (chapter 8's loss, appendix D.2) ------------------------------
+
+def teaching(logits, target, eps):
+    return label_smoothed_nll(logits, target, eps, pad_id=-100)                  # no padding among the targets
+
+
+@pytest.mark.parametrize("n,V", [(1, 5), (7, 300), (1100, 2000)])      # one block, one block, several blocks
+@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
+def test_fused_loss_equals_chapter_8s(n, V, eps):
+    g = torch.Generator().manual_seed(n + V)
+    logits = 3 * torch.randn(n, V, generator=g, dtype=F64)
+    target = torch.randint(0, V, (n,), generator=g)
+    results = []
+    for fn in (teaching, fused_smoothed_cross_entropy):
+        leaf = logits.clone().requires_grad_(True)
+        loss, nll = fn(leaf, target, eps)
+        (0.37 * loss).backward()
+        results.append((loss.detach(), nll.detach(), leaf.grad))
+    for a, b in zip(*results):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-14)
+
+
+def test_fused_loss_bf16_gradient_dtype_and_no_grad_fallback():
+    logits = torch.randn(50, 40).to(torch.bfloat16).requires_grad_(True)
+    target = torch.randint(0, 40, (50,))
+    loss, nll = fused_smoothed_cross_entropy(logits, target)
+    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
+    loss.backward()
+    assert logits.grad.dtype == torch.bfloat16
+    with torch.no_grad():                                               # evaluation: chapter 8's code, same numbers
+        a = fused_smoothed_cross_entropy(logits, target)
+    b = teaching(logits.detach(), target, 0.1)
+    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
+    assert torch.allclose(a[0], loss.detach(), rtol=1e-5)
+
+
+def test_fused_loss_refuses_a_second_backward():
+    logits = torch.randn(4, 9, requires_grad=True)
+    loss, _ = fused_smoothed_cross_entropy(logits, torch.tensor([1, 2, 3, 4]))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("padded", [True, False])
+def test_fast_seq2seq_loss_equals_seq2seq_loss(padded):
+    "Loss, NLL and every weight's gradient, float64, dropout off; with and without padding."
+    model = tiny(dropout=0.0, attention_dropout=0.0, ffn_dropout=0.0).double()
+    src, tgt = batch()
+    if not padded:
+        src, tgt = src.clamp(min=4), tgt.clamp(min=4)
+    results = []
+    for criterion in (Seq2SeqLoss(model, 0.1), FastSeq2SeqLoss(speed_up(model), 0.1)):
+        model.zero_grad()
+        loss, nll = criterion(src, tgt)
+        loss.backward()
+        results.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+    (l1, n1, g1), (l2, n2, g2) = results
+    assert torch.allclose(l1, l2, rtol=1e-12) and torch.allclose(n1, n2, rtol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(g1, g2))
+
+
+def test_fast_seq2seq_loss_keeps_the_state_dict_and_evaluates_the_same():
+    model = tiny().eval()
+    src, tgt = batch()
+    fast = FastSeq2SeqLoss(model, 0.1)
+    assert fast.state_dict().keys() == Seq2SeqLoss(model, 0.1).state_dict().keys()
+    with torch.no_grad():
+        a, b = fast(src, tgt), Seq2SeqLoss(model, 0.1)(src, tgt)
+    assert torch.allclose(a[0], b[0], rtol=1e-5) and torch.allclose(a[1], b[1], rtol=1e-5)

@@ -703,51 +703,14 @@ def test_cpu_has_bf16_units_asks_both_probes(monkeypatch, amx, avx512_bf16, expe
     assert cpu_has_bf16_units() is expected
 
 
-# --- the fused loss (chapter 8.1's fast path) and Seq2SeqLoss on the model's fast paths ---------------------------
+# --- Seq2SeqLoss: every position, no data-dependent shape ------------------------------------------------------
 
+from transformer.engine.loop import check_examples
 from transformer.masking import padding_mask
-from transformer.training import fused_smoothed_cross_entropy, smoothed_cross_entropy
-
-
-@pytest.mark.parametrize("n,V", [(1, 5), (7, 300), (1100, 2000)])      # one block, one block, several blocks
-@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_fused_loss_equals_the_teaching_path(n, V, eps):
-    g = torch.Generator().manual_seed(n + V)
-    logits = 3 * torch.randn(n, V, generator=g, dtype=torch.float64)
-    target = torch.randint(0, V, (n,), generator=g)
-    results = []
-    for fn in (smoothed_cross_entropy, fused_smoothed_cross_entropy):
-        leaf = logits.clone().requires_grad_(True)
-        loss, nll = fn(leaf, target, eps)
-        (0.37 * loss).backward()
-        results.append((loss.detach(), nll.detach(), leaf.grad))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-11, atol=1e-14)
-
-
-def test_fused_loss_bf16_gradient_dtype_and_no_grad_fallback():
-    logits = torch.randn(50, 40).to(torch.bfloat16).requires_grad_(True)
-    target = torch.randint(0, 40, (50,))
-    loss, nll = fused_smoothed_cross_entropy(logits, target)
-    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
-    loss.backward()
-    assert logits.grad.dtype == torch.bfloat16
-    with torch.no_grad():                                               # evaluation: the teaching path, same numbers
-        a = fused_smoothed_cross_entropy(logits, target)
-    b = smoothed_cross_entropy(logits.detach(), target)
-    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
-
-
-def test_fused_loss_refuses_a_second_backward():
-    logits = torch.randn(4, 9, requires_grad=True)
-    loss, _ = fused_smoothed_cross_entropy(logits, torch.tensor([1, 2, 3, 4]))
-    loss.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward ran twice"):
-        loss.backward()
 
 
 def test_seq2seq_loss_equals_the_explicit_masked_path():
-    "Seq2SeqLoss (features: causal flag, no mask without padding; fused loss) = masks written out + teaching loss."
+    "Seq2SeqLoss (features: the causal flag) = masks written out, loss on the real positions only."
     torch.manual_seed(0)
     model = Transformer(tiny_config()).double().eval()
     for examples in (copy_examples(6, seed=1), copy_examples(6, lo=5, hi=5, seed=2)):   # padded; no padding
@@ -760,7 +723,7 @@ def test_seq2seq_loss_equals_the_explicit_masked_path():
                 src_mask = padding_mask(src, PAD)
                 hidden = model.decode(tgt_in, model.encode(src, src_mask), src_mask)   # masks built
                 keep = tgt_out != PAD
-                loss, nll = smoothed_cross_entropy(model.generator(hidden[keep]), tgt_out[keep])
+                loss, nll = label_smoothed_nll(model.generator(hidden[keep]), tgt_out[keep], 0.1)
             else:
                 loss, nll = Seq2SeqLoss(model)(src, tgt)
             loss.backward()
@@ -770,28 +733,21 @@ def test_seq2seq_loss_equals_the_explicit_masked_path():
         assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-12) for a, b in zip(g1, g2))
 
 
-# --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
-
-from transformer.engine.loop import check_examples
-from transformer.training import cross_entropy_sums
-
-
-@pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_cross_entropy_sums_equal_the_teaching_path_with_padding(eps):
-    "The GPU/compiled loss (every position, one F.cross_entropy) = the masked teaching loss, gradient too."
+def test_label_smoothed_nll_sends_no_gradient_to_padding_and_computes_bf16_in_float32():
     g = torch.Generator().manual_seed(1)
-    logits = 3 * torch.randn(4, 7, 30, generator=g, dtype=torch.float64)
+    logits = (3 * torch.randn(4, 7, 30, generator=g)).requires_grad_(True)
     target = torch.randint(1, 30, (4, 7), generator=g)
     target[0, 4:], target[2, 1:] = PAD, PAD
-    results = []
-    for dense in (False, True):
-        leaf = logits.clone().requires_grad_(True)
-        loss, nll = (cross_entropy_sums(leaf, target, eps) if dense else label_smoothed_nll(leaf, target, eps))
-        (0.5 * loss).backward()
-        results.append((loss.detach(), nll.detach(), leaf.grad))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-10, atol=1e-12)
-    assert results[1][2][0, 4:].abs().max() == 0                       # no gradient reaches a padded position
+    loss, nll = label_smoothed_nll(logits, target, 0.1)
+    loss.backward()
+    assert logits.grad[0, 4:].abs().max() == 0 and logits.grad[2, 1:].abs().max() == 0
+    assert logits.grad[1].abs().max() > 0 and not nll.requires_grad
+    low = logits.detach().to(torch.bfloat16)
+    a, b = label_smoothed_nll(low, target, 0.1), label_smoothed_nll(low.float(), target, 0.1)
+    assert a[0].dtype == torch.float32 and torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
 
 
 @pytest.mark.slow

@@ -17,29 +17,14 @@ from .model import Transformer, config_from_dict
 from .tokens import PAD, UNK, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
-__all__ = ['TRAIN_PRESETS', 'smoothed_cross_entropy', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'merge_children', 'SubwordDropout', 'Seq2SeqLoss', 'TrainConfig', 'fused_smoothed_cross_entropy', 'cross_entropy_sums']
+__all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate',
+           'make_examples', 'merge_children', 'SubwordDropout', 'Seq2SeqLoss', 'TrainConfig']
 
 # %% ../book/08_training.ipynb #c005
-def smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                           epsilon: float = 0.1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Label-smoothed cross-entropy and plain NLL, summed over rows: logits (n, V),
-    target (n,) with no padding."""
-    logp = logits.to(torch.promote_types(logits.dtype, torch.float32)
-                     ).log_softmax(-1)                        # (n, V); bf16 -> float32
-    nll = -logp.gather(-1, target[:, None]).squeeze(-1)       # (n,)  -log p_y
-    uniform = -logp.sum(-1) / logp.size(-1)                   # (n,)  -1/V sum_k log p_k
-    return ((1.0 - epsilon) * nll + epsilon * uniform).sum(), nll.sum()
-
-
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
                        pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Label-smoothed cross-entropy and plain NLL, each *summed* over the non-pad
-    targets.
-
-    `logits` (..., V), `target` (...). The smoothed target keeps 1 - epsilon on the
-    right token and spreads epsilon evenly over all V tokens (Szegedy et al., 2016);
-    this equals `F.cross_entropy(logits, target, ignore_index=pad_id,
-    label_smoothing=epsilon, reduction="sum")`."""
+    """Label-smoothed cross-entropy (section 5.4) and plain NLL, each *summed* over the
+    non-pad targets: logits (..., V), target (...)."""
     if (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
             or not 0.0 <= epsilon < 1.0):
         raise ValueError(f"epsilon={epsilon!r} must be a float in [0, 1)")
@@ -47,9 +32,13 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target "
                          f"of shape {tuple(target.shape)}; "
                          "expected logits of shape target.shape + (V,)")
-    keep = target != pad_id                               # (...) True on real tokens
-    # only the n real positions
-    return smoothed_cross_entropy(logits[keep], target[keep], epsilon)
+    z = logits.flatten(0, -2)                                 # (n, V)
+    z = z.to(torch.promote_types(z.dtype, torch.float32))     # bf16 logits: the loss in float32
+    y = target.flatten()                                      # (n,)
+    loss = F.cross_entropy(z, y, ignore_index=pad_id, label_smoothing=epsilon,
+                           reduction="sum")
+    nll = F.cross_entropy(z.detach(), y, ignore_index=pad_id, reduction="sum")
+    return loss, nll
 
 # %% ../book/08_training.ipynb #c012
 def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> float:
@@ -216,17 +205,10 @@ class Seq2SeqLoss(nn.Module):
 
     def forward(self, src: torch.Tensor,
                 tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tgt_in, tgt_out = teacher_forcing(tgt)                      # (B, T-1) each
-        hidden = self.model.features(src, tgt_in,
-                                     check_ids=False)               # (B, T-1, d_model)
-        pad = self.model.config.pad_id
-        if hidden.device.type == "cpu" and not torch.compiler.is_compiling():
-            keep = tgt_out != pad                                   # (B, T-1)
-            logits = self.model.generator(hidden[keep])             # (n, V)
-            return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
-        # GPU or compiled: every position, no data-dependent shapes
-        logits = self.model.generator(hidden)                       # (B, T-1, V)
-        return cross_entropy_sums(logits, tgt_out, self.epsilon, pad)  # noqa: F821 (appendix D)
+        tgt_in, tgt_out = teacher_forcing(tgt)                          # (B, T-1) each
+        hidden = self.model.features(src, tgt_in, check_ids=False)      # (B, T-1, d_model)
+        logits = self.model.generator(hidden)                           # (B, T-1, V)
+        return label_smoothed_nll(logits, tgt_out, self.epsilon, self.model.config.pad_id)
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
@@ -317,72 +299,3 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return config_from_dict(cls, d)
-
-# %% ../book/d_performance.ipynb #c010b
-class _FusedSmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy with the gradient computed blockwise in the forward
-    pass."""
-
-    @staticmethod
-    def forward(ctx, logits, target, epsilon, rows):
-        n, V = logits.shape
-        # float32 at least, as the teaching path
-        acc = torch.promote_types(logits.dtype, torch.float32)
-        grad = torch.empty_like(logits)  # dL/dz = p - q, in the logits' dtype
-        loss = torch.zeros((), dtype=acc, device=logits.device)
-        nll = torch.zeros((), dtype=acc, device=logits.device)
-        for i in range(0, n, rows):  # a block of rows stays in the cache
-            logp = logits[i:i + rows].to(acc).log_softmax(-1)  # (r, V)
-            t = target[i:i + rows, None]                       # (r, 1)
-            block_nll = -logp.gather(-1, t).sum()
-            nll += block_nll
-            loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
-            p_minus_q = logp.exp_().sub_(epsilon / V)  # p - eps/V, in place of logp
-            p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
-            grad[i:i + rows] = p_minus_q
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(nll)
-        ctx.used = False
-        return loss, nll
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_nll):
-        if ctx.used:
-            raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice "
-                               "(retain_graph=True); "
-                               "use smoothed_cross_entropy for that")
-        ctx.used = True
-        grad, = ctx.saved_tensors
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None
-
-
-def fused_smoothed_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
-                                 epsilon: float = 0.1
-                                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`smoothed_cross_entropy`, fast: the same (loss sum, NLL sum) and the same
-    gradient for the loss, computed blockwise in the forward pass. The NLL carries no
-    gradient (it is for reporting); one backward pass only."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled()
-                                             and logits.requires_grad):
-        return smoothed_cross_entropy(logits, target, epsilon)
-    rows = max(1, 2**20 // logits.size(-1))  # about 4 MB of float32 per block
-    return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
-
-
-def cross_entropy_sums(logits: torch.Tensor, target: torch.Tensor,
-                       epsilon: float = 0.1, pad_id: int = PAD
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`label_smoothed_nll` for GPUs and `torch.compile`: (loss sum, NLL sum) over the
-    non-pad positions of logits (..., V) and target (...), the loss from one
-    `F.cross_entropy` with `label_smoothing` (a fused kernel on CUDA), the NLL from the
-    log-sum-exp without gradient. No boolean indexing: no host sync, no graph break."""
-    V = logits.size(-1)
-    z = logits.reshape(-1, V)                                        # (n, V)
-    if z.dtype in (torch.bfloat16, torch.float16):
-        z = z.float()                        # as autocast does for a loss: float32
-    y = target.reshape(-1)                                           # (n,)
-    loss = F.cross_entropy(z, y, ignore_index=pad_id, label_smoothing=epsilon,
-                           reduction="sum")
-    z = z.detach()
-    nll = torch.logsumexp(z, -1) - z.gather(-1, y[:, None]).squeeze(-1)   # (n,)
-    return loss, (nll * (y != pad_id)).sum()

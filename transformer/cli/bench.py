@@ -30,10 +30,9 @@ from .train import cap_kernel_cache, keep_freed_memory
 from ..decoding import greedy_search
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import cpu_has_bf16_units, fast_matmul
-from ..engine.fast import speed_up
+from ..engine.fast import FastSeq2SeqLoss, speed_up
 from ..model import PRESETS, Transformer, TransformerConfig
 from ..tokens import EOS, PAD
-from ..training import Seq2SeqLoss
 
 # %% auto #0
 __all__ = ['DECODE_EXTRA', 'run_bench', 'format_table', 'main']
@@ -70,7 +69,7 @@ class _Bench:
                                                betas=(0.9, 0.98), eps=1e-9,
                                                fused=self.cuda or None)
                            for k, m in self.models.items()}
-        losses = {k: Seq2SeqLoss(m, 0.1) for k, m in self.models.items()}
+        losses = {k: FastSeq2SeqLoss(m, 0.1) for k, m in self.models.items()}
         self.losses = {k: (torch.compile(c) if compile else c)
                        for k, c in losses.items()}
         self.generated = {}

@@ -14,11 +14,10 @@ from torch import nn
 
 from .train import provenance
 from ..data import load_multi30k
-from ..engine.fast import Dropout
+from ..engine.fast import Dropout, FastSeq2SeqLoss
 from ..model import Transformer, TransformerConfig
 from ..positions import PositionalEncoding
 from ..tokens import PAD, Embeddings, Tokenizer, pad_batch, token_batches
-from ..training import Seq2SeqLoss
 
 # nn.Transformer's inference fast path announces, once, that nested tensors are a
 # prototype: not our concern
@@ -210,12 +209,12 @@ def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 800
 def train_step(model: nn.Module, optimizer: torch.optim.Optimizer, src: torch.Tensor,
                tgt: torch.Tensor, autocast: bool = False,
                criterion: nn.Module | None = None) -> torch.Tensor:
-    """One optimizer step as `train` takes it: chapter 8's `Seq2SeqLoss` (the
-    teacher-forced `features`, the generator on the real target tokens, the fused
-    label-smoothed loss, epsilon 0.1), divided by the number of target tokens, backward,
+    """One optimizer step as `train` takes it: chapter 8's loss in the engine's form
+    (`FastSeq2SeqLoss`: the generator on the real target tokens, the label-smoothed
+    loss in one pass, epsilon 0.1), divided by the number of target tokens, backward,
     Adam. `criterion`: that loss around `model`, e.g. compiled. Returns the mean
     loss."""
-    criterion = criterion if criterion is not None else Seq2SeqLoss(model, 0.1)
+    criterion = criterion if criterion is not None else FastSeq2SeqLoss(model, 0.1)
     n_tokens = int((tgt[:, 1:] != PAD).sum())
     with torch.autocast(src.device.type, dtype=torch.bfloat16, enabled=autocast):
         loss, _ = criterion(src, tgt)

@@ -38,11 +38,10 @@ from transformer.engine.devices import (  # appendix F
     prefetch,
     world,
 )
-from .fast import speed_up  # appendix D.2
+from .fast import FastSeq2SeqLoss, speed_up  # appendix D.2
 from ..model import Transformer, TransformerConfig
 from ..tokens import token_batches
 from transformer.training import (
-    Seq2SeqLoss,
     TrainConfig,
     collate,
     epoch_batches,
@@ -100,7 +99,7 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     precision = precision or Precision(device.type)
     rank, world_size = world()
     was_training = model.training
-    criterion = Seq2SeqLoss(model, epsilon).eval()
+    criterion = FastSeq2SeqLoss(model, epsilon).eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)  # loss, NLL
     n = 0                                                       # real target tokens
     pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
@@ -192,7 +191,7 @@ class _Loop:
                                else Precision(self.device.type))
         self.optimizer = make_optimizer(model, (config.beta1, config.beta2),
                                         config.adam_eps)
-        criterion = Seq2SeqLoss(speed_up(model), config.label_smoothing)  # appendix D.2
+        criterion = FastSeq2SeqLoss(speed_up(model), config.label_smoothing)  # appendix D.2
         self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
         self.net = self.ddp or criterion
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
