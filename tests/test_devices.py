@@ -1,4 +1,4 @@
-"""Appendix F, devices.py: precision, the step skipped on the device, batches made ahead of time."""
+"""Appendix F, devices.py: precision, the step skipped on the device, batches made ahead of time, peak memory."""
 import threading
 import time
 import warnings
@@ -6,7 +6,14 @@ import warnings
 import pytest
 import torch
 
-from transformer.engine.devices import Precision, all_sum, choose_precision, prefetch, world
+from transformer.engine.devices import (
+    Precision,
+    all_sum,
+    choose_precision,
+    peak_memory,
+    prefetch,
+    world,
+)
 
 
 def test_choose_precision_on_each_kind_of_device(monkeypatch):
@@ -102,3 +109,13 @@ def test_all_sum_is_the_identity_in_one_process():
     assert world() == (0, 1)
     t = torch.tensor([1.0, 2.0])
     assert all_sum(t) is t and t.tolist() == [1.0, 2.0]
+
+
+def test_peak_memory_cpu_is_the_high_water_mark():
+    def fn():
+        a = torch.empty(250_000)        # 1 MB
+        b = torch.empty(500_000)        # 2 MB -> 3 MB live
+        del a
+        c = torch.empty(100_000)        # 0.4 MB -> 2.4 MB live
+        return b, c
+    assert peak_memory(fn, torch.device("cpu")) == 3_000_000

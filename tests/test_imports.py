@@ -6,8 +6,14 @@ resolved), so it sees an import that runs only on one code path. LAYERS is the d
 first: a module may import only modules listed before it. The two top files, `transformer/__init__.py`
 (the public API) and `__main__.py` (`python -m transformer`, which dispatches every command), may
 import any module.
+
+No chapter imports the command line (issue 29): a notebook of the book imports `transformer.cli` only in
+appendices C (the commands) and D (the benchmark), which build it; the chapters read results through the
+engine (`transformer.engine.trained.read_variants`, `collect`; `transformer.engine.devices.peak_memory`).
+Inside the package, only `transformer.cli` itself and `__main__` import it.
 """
 import ast
+import json
 from pathlib import Path
 from typing import NamedTuple
 
@@ -228,3 +234,73 @@ def test_the_declared_order_keeps_the_main_line_below_every_later_part():
     main_line = layers.index("evaluation")
     assert all(not m.startswith(("modern", "engine", "figures", "cli")) for m in layers[:main_line + 1])
     assert layers.index("modern") < layers.index("engine") < layers.index("figures") < layers.index("cli")
+
+
+# --- no chapter imports the command line -----------------------------------------------------------------
+
+CLI_NOTEBOOKS = ("c_", "d_")    # appendices C (the commands) and D (the benchmark): they build the command line
+
+
+def _is_cli(name: str) -> bool:
+    return name == "transformer.cli" or name.startswith("transformer.cli.")
+
+
+def cli_imports_in_notebook(path: Path) -> list[str]:
+    """Every import of `transformer.cli` in a notebook's code cells, wherever it stands (`import transformer.cli.x`,
+    `from transformer.cli.x import y`, `from transformer import cli`), one line each: file, cell id, line, import."""
+    out = []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or source.lstrip().startswith("%%"):     # prose, or a cell magic
+            continue
+        # IPython's line magics and shell lines are not Python: a `pass` keeps the block around them
+        lines = [line[:len(line) - len(line.lstrip())] + "pass" if line.lstrip().startswith(("%", "!")) else line
+                 for line in source.splitlines()]
+        for node in ast.walk(ast.parse("\n".join(lines), f"{path.name}, cell {cell.get('id')}")):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+            else:
+                continue
+            if any(map(_is_cli, names)):
+                out.append(f"{path.name}, cell {cell.get('id')}, line {node.lineno}: {ast.unparse(node)}")
+    return out
+
+
+def test_no_chapter_imports_the_command_line():
+    notebooks = sorted((ROOT / "book").glob("*.ipynb"))
+    assert len(notebooks) > 30, notebooks
+    found = [hit for nb in notebooks if not nb.name.startswith(CLI_NOTEBOOKS) for hit in cli_imports_in_notebook(nb)]
+    assert not found, ("only appendices C and D import transformer.cli; a chapter reads results through the engine "
+                       "(engine.trained, engine.devices):\n" + "\n".join(found))
+
+
+def test_only_the_command_line_and_main_import_the_command_line():
+    "The layers keep every listed module below cli from importing it; this also holds the public API, __init__, to it."
+    found = sorted({f"transformer/{_show(e.module)}:{e.line} imports {e.target}"
+                    for e in imports(ROOT / "transformer")
+                    if _is_cli(f"transformer.{e.target}") and not _is_cli(f"transformer.{e.module}")
+                    and e.module != "__main__"})
+    assert not found, "\n".join(found)
+
+
+def test_the_notebook_check_finds_each_form_of_import(tmp_path):
+    def cell(kind, source, id):
+        return {"cell_type": kind, "id": id, "metadata": {}, "source": source,
+                **({"outputs": [], "execution_count": None} if kind == "code" else {})}
+    cells = [cell("code", "try:\n    import transformer\nexcept ImportError:\n    %pip install transformer-book\n", "install"),
+             cell("code", "import json, transformer.cli.sweep\n", "a"),
+             cell("code", "from transformer.cli.measure import bench_data\n!ls\n", "b"),
+             cell("code", "from transformer import cli, data\n", "c"),
+             cell("code", "def f():\n    from transformer.cli import commands\n    return commands\n", "d"),
+             cell("code", "from transformer.engine.trained import collect\nimport transformer_cli\n", "e"),
+             cell("code", "%%bash\necho from transformer.cli import x\n", "f"),
+             cell("markdown", "Appendix C.3: `from transformer.cli.sweep import main`\n", "g")]
+    nb = tmp_path / "99_chapter.ipynb"
+    nb.write_text(json.dumps({"cells": cells, "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
+    assert cli_imports_in_notebook(nb) == [
+        "99_chapter.ipynb, cell a, line 1: import json, transformer.cli.sweep",
+        "99_chapter.ipynb, cell b, line 1: from transformer.cli.measure import bench_data",
+        "99_chapter.ipynb, cell c, line 1: from transformer import cli, data",
+        "99_chapter.ipynb, cell d, line 2: from transformer.cli import commands"]

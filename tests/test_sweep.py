@@ -1,5 +1,6 @@
 """Appendix C.3, sweep.py: `python -m transformer sweep`, the variant file, real tiny sweeps on Multi30k (two at
-once, skipped when done, stopped by a signal and resumed, failures kept and retried, evaluate variants, --results)."""
+once, skipped when done, stopped by a signal and resumed, failures kept and retried, evaluate variants, --results);
+the readers it shares with the chapters (`read_variants`, `run_state`, `collect`) are appendix E.1's, engine/trained.py."""
 import contextlib
 import io
 import json
@@ -13,18 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from transformer.cli.sweep import (
-    KEEP,
-    SweepError,
-    Variant,
-    collect,
-    command_line,
-    main,
-    read_variants,
-    run_state,
-)
+from transformer.cli.sweep import KEEP, command_line, main
 from transformer.engine.checkpoints import load_checkpoint
-from transformer.engine.trained import load
+from transformer.engine.trained import SweepError, Variant, collect, load, read_variants, run_state
 
 ROOT = Path(__file__).resolve().parents[1]
 # a one-layer tiny model, a few steps, a few sentences: each variant takes seconds on one thread

@@ -21,7 +21,6 @@ from transformer.cli.measure import (
     bench_data,
     copy_weights,
     environment,
-    peak_memory,
     resolve_device,
     train_flops,
     train_step,
@@ -29,7 +28,7 @@ from transformer.cli.measure import (
 from .train import cap_kernel_cache, keep_freed_memory
 from ..decoding import greedy_search
 from ..engine.checkpoints import atomic_write
-from ..engine.devices import cpu_has_bf16_units, fast_matmul
+from ..engine.devices import cpu_has_bf16_units, fast_matmul, peak_memory
 from ..engine.fast import FastSeq2SeqLoss, speed_up
 from ..model import PRESETS, Transformer, TransformerConfig
 from ..tokens import EOS, PAD

@@ -3,9 +3,7 @@
 # %% ../../book/d_performance.ipynb #r005
 from __future__ import annotations
 
-import contextlib
 import os
-import sys
 import warnings
 from dataclasses import dataclass
 
@@ -25,7 +23,7 @@ warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_TOKENS', 'PEAK_BF16_TFLOPS', 'TorchTransformer', 'copy_weights', 'BenchData', 'bench_data', 'train_step',
-           'train_flops', 'assumed_peak_tflops', 'peak_memory', 'environment', 'resolve_device']
+           'train_flops', 'assumed_peak_tflops', 'environment', 'resolve_device']
 
 # %% ../../book/d_performance.ipynb #r006
 class TorchTransformer(nn.Module):
@@ -255,48 +253,6 @@ def assumed_peak_tflops(device_name: str) -> float | None:
         if key.lower() in device_name.lower():
             return tflops
     return None
-
-# %% ../../book/d_performance.ipynb #r023
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Silence file descriptor 2 for a while: the profiler's C++ side logs its start and
-    stop there."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-
-
-def peak_memory(fn, device: torch.device) -> int:
-    """Bytes allocated at the peak of `fn()` above what was allocated when it started.
-    CUDA: `torch.cuda.max_memory_allocated`. CPU: PyTorch keeps no such counter, so we
-    record every allocation and free of the CPU allocator with `torch.profiler`
-    (profile_memory=True) and take the maximum of their running sum in time order."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        fn()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - start
-    from torch.profiler import ProfilerActivity, profile
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                  profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes())
-                    for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]"
-                    and e.device_type() == torch.autograd.DeviceType.CPU)
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
 
 # %% ../../book/d_performance.ipynb #r026
 def environment(device: torch.device) -> dict:

@@ -3,6 +3,7 @@
 # %% ../../book/f_devices.ipynb #f011
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import queue
@@ -19,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul', 'prefetch',
-           'distributed', 'all_sum', 'StopRequest']
+           'distributed', 'all_sum', 'StopRequest', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -225,3 +226,45 @@ class StopRequest:
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+
+# %% ../../book/f_devices.ipynb #f024
+@contextlib.contextmanager
+def _quiet_stderr():
+    """Silence file descriptor 2 for a while: the profiler's C++ side logs its start and
+    stop there."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as devnull:
+            os.dup2(devnull.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory(fn, device: torch.device) -> int:
+    """Bytes allocated at the peak of `fn()` above what was allocated when it started.
+    CUDA: `torch.cuda.max_memory_allocated`. CPU: PyTorch keeps no such counter, so we
+    record every allocation and free of the CPU allocator with `torch.profiler`
+    (profile_memory=True) and take the maximum of their running sum in time order."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    from torch.profiler import ProfilerActivity, profile
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                  profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes())
+                    for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]"
+                    and e.device_type() == torch.autograd.DeviceType.CPU)
+    running = peak = 0
+    for _, nbytes in events:
+        running += nbytes
+        peak = max(peak, running)
+    return peak

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from safetensors.torch import save as safetensors_bytes
 
-from ..data import sha256_file
+from ..data import UserError, sha256_file
 from ..decoding import translate
 from transformer.engine.checkpoints import (
     CHECKPOINT_FORMAT,
@@ -27,8 +27,9 @@ from ..model import Transformer
 from ..tokens import Tokenizer
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'WEIGHTS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer', 'TrainedModel',
-           'load', 'bleu_signature', 'model_card']
+__all__ = ['CHECKPOINTS', 'WEIGHTS', 'COMMANDS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer',
+           'TrainedModel', 'load', 'bleu_signature', 'model_card', 'SweepError', 'Variant', 'read_variants',
+           'run_state', 'collect']
 
 # %% ../../book/e_1_load.ipynb #e1-004
 CHECKPOINTS = ("best", "last", "averaged")   # the weights a run directory may hold: NAME.pt
@@ -344,4 +345,130 @@ BLEU is sacreBLEU's, cased, on detokenized text: `{bleu_signature()}`.
 The code and these weights: Apache-2.0, the package's licence. The training data: Multi30k, under
 the terms of its repository.
 """
+
+
+# %% ../../book/e_1_load.ipynb #e1-013
+COMMANDS = ("train", "evaluate")   # what a variant may run
+
+
+class SweepError(UserError, ValueError):
+    "A variant file or a sweep option that cannot work; the message says the fix."
+
+
+@dataclass
+class Variant:
+    """One run of a sweep: `python -m transformer <command> <base> <args>`, into its
+    own directory `<out>/<name>`. `row` groups variants in the results (Table 3's
+    letters); `note` says in words what changes."""
+    name: str
+    row: str
+    args: list[str] = field(default_factory=list)
+    command: str = "train"
+    note: str = ""
+
+
+def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
+    """The committed variant file: a JSON object with `base`, the flags every `train`
+    variant shares, and `variants`, a list of {name, row, args, command?, note?}.
+    Returns (base, variants); a bad file is a `SweepError` that names the entry."""
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+        # a byte order mark (Windows editors write one) is not part of the JSON
+        spec = json.loads(data.decode("utf-8").removeprefix("\ufeff"))
+    except OSError as e:
+        raise SweepError(f"cannot read the variant file {path}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        at, byte = e.start, data[e.start:e.start + 1]
+        line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
+        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, "
+                         f"column {column} (byte {at + 1} of the file); save it as "
+                         "UTF-8") from None
+    except json.JSONDecodeError as e:
+        raise SweepError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
+    except RecursionError:
+        raise SweepError(f"{path} is nested too deeply to be a variant file") from None
+    if not isinstance(spec, dict) or not isinstance(spec.get("variants"), list):
+        raise SweepError(f'{path} must hold a JSON object with a "variants" list')
+    base = spec.get("base", [])
+    if not (isinstance(base, list) and all(isinstance(a, str) for a in base)):
+        raise SweepError(f'{path}: "base" must be a list of strings (train flags)')
+    variants, seen = [], set()
+    for i, entry in enumerate(spec["variants"]):
+        where = f"{path}, variant {i + 1}"
+        if not isinstance(entry, dict):
+            raise SweepError(f"{where}: expected an object, got {entry!r}")
+        unknown = set(entry) - {"name", "row", "args", "command", "note"}
+        if unknown:
+            raise SweepError(f"{where}: unknown keys {sorted(unknown)}; known: name, "
+                             "row, args, command, note")
+        try:
+            v = Variant(**entry)
+        except TypeError:
+            raise SweepError(f'{where}: "name" and "row" are required') from None
+        name_ok = (isinstance(v.name, str) and v.name not in ("", ".", "..")
+                   and all(ch.isalnum() or ch in "-_." for ch in v.name))
+        if not name_ok:
+            raise SweepError(f"{where}: name {v.name!r} must be a non-empty directory "
+                             "name of letters, digits, '-', '_' and '.'")
+        if v.name in seen:
+            raise SweepError(f"{where}: the name {v.name!r} is used twice")
+        if not (isinstance(v.args, list) and all(isinstance(a, str) for a in v.args)):
+            raise SweepError(f'{where} ({v.name}): "args" must be a list of strings')
+        for key in ("row", "note"):
+            if not isinstance(getattr(v, key), str):
+                raise SweepError(f'{where} ({v.name}): "{key}" must be a string, got '
+                                 f"{getattr(v, key)!r}")
+        if v.command not in COMMANDS:
+            raise SweepError(f"{where} ({v.name}): command {v.command!r} is not one of "
+                             f"{', '.join(COMMANDS)}")
+        seen.add(v.name)
+        variants.append(v)
+    return base, variants
+
+# %% ../../book/e_1_load.ipynb #e1-015
+def run_state(run_dir: Path) -> str:
+    """"done" (results.json written), "failed" (failed.json: the command ended with an
+    error, e.g. training diverged), "interrupted" (a last.pt to resume from) or "new"."""
+    if (run_dir / "results.json").exists():
+        return "done"
+    if (run_dir / "failed.json").exists():
+        return "failed"
+    return "interrupted" if (run_dir / "last.pt").exists() else "new"
+
+
+# %% ../../book/e_1_load.ipynb #e1-017
+def collect(results: str | Path, variants: list[Variant]) -> list[dict]:
+    """One flat record per variant with a results.json under `results` (a sweep's
+    --out, or the directory --results copied to): the numbers a table needs."""
+    rows = []
+    for v in variants:
+        run = Path(results) / v.name
+        state = run_state(run)
+        if state not in ("done", "failed"):
+            continue
+        record = {"name": v.name, "row": v.row, "note": v.note, "command": v.command,
+                  "state": state}
+        if state == "failed":
+            record["error"] = json.loads((run / "failed.json").read_text())["error"]
+            rows.append(record)
+            continue
+        r = json.loads((run / "results.json").read_text())
+        if v.command == "evaluate":
+            record.update(val_bleu=r["bleu_lc_tok"], beam=r["beam"], alpha=r["alpha"])
+        else:
+            evals = [m for m in _metrics(run) if m.get("kind") == "eval"]
+            record.update(test_bleu=r["bleu_lc_tok"], val_bleu=r["val"]["bleu_lc_tok"],
+                          params=r["params"], steps=r["steps"],
+                          train_minutes=r["train_seconds"] / 60,
+                          val_ppl=evals[-1]["val_ppl"] if evals else None)
+        rows.append(record)
+    return rows
+
+
+def _metrics(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
