@@ -119,3 +119,21 @@ def test_peak_memory_cpu_is_the_high_water_mark():
         c = torch.empty(100_000)        # 0.4 MB -> 2.4 MB live
         return b, c
     assert peak_memory(fn, torch.device("cpu")) == 3_000_000
+
+
+def test_inductor_workarounds_turn_off_the_tiling_analysis_that_failed_on_a_gpu():
+    "Met on an H200 with torch 2.11 (book/results/gpu/): the loop and the bench call this before compiling."
+    from torch._inductor import config
+
+    from transformer.engine.devices import inductor_workarounds
+    if not hasattr(config.triton, "coalesce_tiling_analysis"):
+        pytest.skip("this torch has no coalesce_tiling_analysis")
+    before = config.triton.coalesce_tiling_analysis
+    try:
+        config.triton.coalesce_tiling_analysis = True
+        inductor_workarounds()
+        assert config.triton.coalesce_tiling_analysis is False
+        inductor_workarounds()                                          # idempotent
+        assert config.triton.coalesce_tiling_analysis is False
+    finally:
+        config.triton.coalesce_tiling_analysis = before

@@ -28,7 +28,12 @@ from transformer.cli.measure import (
 from .train import cap_kernel_cache, keep_freed_memory
 from ..decoding import greedy_search
 from ..engine.checkpoints import atomic_write
-from ..engine.devices import cpu_has_bf16_units, fast_matmul, peak_memory
+from transformer.engine.devices import (
+    cpu_has_bf16_units,
+    fast_matmul,
+    inductor_workarounds,
+    peak_memory,
+)
 from ..engine.fast import FastSeq2SeqLoss, speed_up
 from ..model import PRESETS, Transformer, TransformerConfig
 from ..tokens import EOS, PAD
@@ -69,6 +74,8 @@ class _Bench:
                                                fused=self.cuda or None)
                            for k, m in self.models.items()}
         losses = {k: FastSeq2SeqLoss(m, 0.1) for k, m in self.models.items()}
+        if compile:
+            inductor_workarounds()  # appendix F
         self.losses = {k: (torch.compile(c) if compile else c)
                        for k, c in losses.items()}
         self.generated = {}

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 # %% auto #0
 __all__ = ['cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul', 'prefetch',
-           'distributed', 'all_sum', 'StopRequest', 'peak_memory']
+           'distributed', 'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -226,6 +226,16 @@ class StopRequest:
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
+
+# %% ../../book/f_devices.ipynb #f022b
+def inductor_workarounds() -> None:
+    """Step around inductor bugs met on a GPU before `torch.compile`: torch 2.11's
+    `coalesce_tiling_analysis` fails an assertion (`get_pw_red_splits`) on this model's
+    training step for CUDA (an H200, 2026-11-26). It only picks a tiling; off, the
+    kernels compute the same."""
+    from torch._inductor import config  # here: inductor loads only for a compile
+    if hasattr(config.triton, "coalesce_tiling_analysis"):
+        config.triton.coalesce_tiling_analysis = False
 
 # %% ../../book/f_devices.ipynb #f024
 @contextlib.contextmanager

@@ -35,6 +35,7 @@ from transformer.engine.devices import (  # appendix F
     choose_precision,
     distributed,
     fast_matmul,
+    inductor_workarounds,
     prefetch,
     world,
 )
@@ -195,6 +196,7 @@ class _Loop:
         self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
         self.net = self.ddp or criterion
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
+            inductor_workarounds()  # appendix F
             self.net = torch.compile(self.net, fullgraph=self.ddp is None)
         self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
                    "eval_seconds": 0.0, "tokens": 0}
