@@ -1,0 +1,39 @@
+"""Exercises with tested solutions (issue 30): a chapter's Exercises section holds at least three
+exercises, each with a solution whose code runs under nbval (a code cell `exN-solution`, folded with
+`hide-cell`, not `nbval-ignore-output`, asserting what it claims) and whose explanation is a folded
+`{dropdown}` (cell `exN-explanation`). The chapters listed in EXERCISED have theirs; the list grows
+until it holds every main-line chapter."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+EXERCISED = ["04_heads", "05_positions", "06_blocks"]
+
+
+def cells(stem):
+    return json.loads((BOOK / f"{stem}.ipynb").read_text())["cells"]
+
+
+@pytest.mark.parametrize("stem", EXERCISED)
+def test_a_chapter_has_three_exercises_with_solutions_that_run(stem):
+    nb = cells(stem)
+    ids = [c.get("id", "") for c in nb]
+    solutions = [c for c in nb if re.fullmatch(r"ex\d+-solution", c.get("id", ""))]
+    assert len(solutions) >= 3, f"{stem}: {len(solutions)} exercises with a solution"
+    for c in solutions:
+        tags = c["metadata"].get("tags", [])
+        source = "".join(c["source"])
+        assert c["cell_type"] == "code" and "hide-cell" in tags, (stem, c["id"], tags)
+        assert "nbval-ignore-output" not in tags and "nbval-skip" not in tags, (stem, c["id"])
+        assert "assert" in source, f"{stem} {c['id']}: a solution asserts what it claims"
+        explanation = c["id"].replace("solution", "explanation")
+        assert explanation in ids, f"{stem}: {c['id']} has no {explanation}"
+        text = "".join(nb[ids.index(explanation)]["source"])
+        assert "{dropdown}" in text, f"{stem} {explanation}: the explanation is folded"
+    headings = [line for c in nb if c["cell_type"] == "markdown"
+                for line in "".join(c["source"]).splitlines() if line.startswith("## ")]
+    order = [h for h in headings if h in ("## Summary", "## Exercises", "## Questions")]
+    assert order == ["## Summary", "## Exercises", "## Questions"], (stem, order)
