@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
+import operator
 import os
 import tempfile
 import urllib.error
 import urllib.request
 import warnings
 import zlib
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+import sentencepiece as spm
+import torch
 from tqdm import tqdm
 
 LANGS = ("de", "en", "fr")
@@ -44,8 +48,9 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir',
-           'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError',
+           'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k',
+           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'batch_costs', 'shard_batches', 'id_rows']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -323,3 +328,236 @@ def load_multi30k(src_lang: str = "de", tgt_lang: str = "en", split: str = "trai
             path = cache_dir() / name
         paths.append(path)
     return read_parallel(*paths)
+
+# %% ../book/a_data.ipynb #a_tokfile
+SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")  # ids 0, 1, 2, 3: PAD, UNK, BOS, EOS (chapter 1)
+MODEL_TYPES = ("bpe", "unigram")
+
+
+def check_texts(texts: Iterable[str]) -> list[str]:
+    "`texts` as a list, or a `TypeError` naming the first item that is not a str."
+    texts = list(texts)
+    for i, t in enumerate(texts):
+        if not isinstance(t, str):
+            raise TypeError(f"texts[{i}] is a {type(t).__name__}, expected str")
+    return texts
+
+
+def train_sentencepiece(texts: Iterable[str], vocab_size: int = 8000,
+                        model_type: str = "bpe", *, character_coverage: float = 1.0,
+                        byte_fallback: bool = False, num_threads: int = 2) -> bytes:
+    """Train a sentencepiece model in memory on `texts` (one sentence each) with
+    `SPECIAL_PIECES` at ids 0-3; returns the serialized model. Same texts and settings
+    give the same bytes."""
+    if isinstance(texts, (str, bytes)):
+        raise TypeError("texts must be an iterable of sentences, not a single "
+                        "string")
+    texts = check_texts(texts)
+    if not any(t.strip() for t in texts):
+        raise ValueError(f"cannot train a tokenizer on {len(texts)} texts with "
+                         "no characters")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"model_type={model_type!r} is not one of {MODEL_TYPES}")
+    if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_PIECES):
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int larger than "
+                         "the "
+                         f"{len(SPECIAL_PIECES)} special pieces")
+    model = io.BytesIO()
+    pad, unk, bos, eos = SPECIAL_PIECES
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(texts), model_writer=model,
+            vocab_size=vocab_size,
+            model_type=model_type, character_coverage=character_coverage,
+            byte_fallback=byte_fallback, num_threads=num_threads,
+            pad_id=0, unk_id=1, bos_id=2, eos_id=3,
+            pad_piece=pad, unk_piece=unk, bos_piece=bos, eos_piece=eos, minloglevel=2)
+    except RuntimeError as e:
+        raise ValueError(f"sentencepiece could not train a {model_type} model with "
+                         f"vocab_size={vocab_size} on {len(texts)} texts: "
+                         f"{e}") from e
+    return model.getvalue()
+
+
+class SentencePieceModel:
+    """A serialized sentencepiece model with `SPECIAL_PIECES` at ids 0-3: its bytes,
+    files, vocabulary and id checks. Chapter 1's `Tokenizer` derives from it."""
+
+    def __init__(self, model_proto: bytes):
+        sp = spm.SentencePieceProcessor()
+        try:
+            sp.LoadFromSerializedProto(bytes(model_proto))
+        except (RuntimeError, TypeError) as e:
+            raise ValueError(f"not a sentencepiece model ({len(model_proto)} "
+                             f"bytes): {e}") from None
+        found = tuple(sp.id_to_piece(i)
+                      for i in range(min(len(SPECIAL_PIECES), sp.get_piece_size())))
+        if found != SPECIAL_PIECES:
+            raise ValueError(f"this sentencepiece model has special pieces {found} "
+                             "at ids 0-3, expected "
+                             f"{SPECIAL_PIECES}; train it with Tokenizer.train")
+        self.sp = sp
+        self._proto = bytes(model_proto)
+
+    # --- persistence ---------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The serialized sentencepiece model (what `save` writes; store it in a
+        checkpoint)."""
+        return self._proto
+
+    @classmethod
+    def from_bytes(cls, data: bytes):
+        return cls(data)
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the model to `path` (a `.model` file sentencepiece tools can read),
+        atomically."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(self._proto)
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike):
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no tokenizer model at {path}; train one with "
+                                    "Tokenizer.train "
+                                    f"and save it with .save(path)")
+        try:
+            return cls(path.read_bytes())
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from None
+
+    # picklable (e.g. for DataLoader workers): keep the bytes only
+    def __getstate__(self):
+        return {"model_proto": self._proto}
+
+    def __setstate__(self, state):
+        self.__init__(state["model_proto"])
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, SentencePieceModel) and self._proto == other._proto
+
+    __hash__ = None
+
+    # --- the vocabulary ------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.sp.get_piece_size()
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"
+
+    def id_to_piece(self, i: int) -> str:
+        return self.sp.id_to_piece(self.check_id(i))
+
+    def piece_to_id(self, piece: str) -> int:
+        "The id of `piece`, `UNK` when it is not in the vocabulary."
+        return self.sp.piece_to_id(piece)
+
+    def check_id(self, i) -> int:
+        "`i` as an int, or the error that says why it is not an id of this vocabulary."
+        if isinstance(i, (bool, float)):
+            raise TypeError(f"token id {i!r} is not an integer")
+        try:
+            i = operator.index(i)  # int, numpy integer, 0-d integer tensor
+        except TypeError:
+            raise TypeError(f"token id {i!r} is not an integer") from None
+        if not 0 <= i < self.vocab_size:
+            raise ValueError(f"token id {i} is out of range for "
+                             f"vocab_size={self.vocab_size}")
+        return i
+
+    def check_ids(self, ids) -> list[int]:
+        "One sequence of ids (a list or a 1-D tensor) as checked ints."
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1:
+                raise ValueError("decode expects one sequence (1-D), got shape "
+                                 f"{tuple(ids.shape)}; "
+                                 f"use decode_batch")
+            ids = ids.tolist()
+        return [self.check_id(i) for i in ids]
+
+    @staticmethod
+    def check_text(text, caller: str, hint: str = "") -> str:
+        "`text`, or a `TypeError` saying that `caller` expects a str."
+        if not isinstance(text, str):
+            raise TypeError(f"{caller} expects a str, got {type(text).__name__}{hint}")
+        return text
+
+    @staticmethod
+    def check_batch(texts) -> list[str]:
+        "A list of sentences (not a single string) as a list of str."
+        if isinstance(texts, str):
+            raise TypeError("encode_batch expects a list of sentences, not a single "
+                            "string; use encode")
+        return check_texts(texts)
+
+# %% ../book/a_data.ipynb #a_batchchk
+def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,
+                max_sentences: int | None = None, rank: int = 0,
+                world_size: int = 1) -> list[int]:
+    """Check the arguments of chapter 1's `token_batches` and return each pair's cost,
+    the longer of its two sides (at least 1)."""
+    if len(src_lens) != len(tgt_lens):
+        raise ValueError(f"src has {len(src_lens)} sequences but tgt has "
+                         f"{len(tgt_lens)}")
+    if not src_lens:
+        raise ValueError("token_batches got no sequences")
+    for name, value, low in (("max_tokens", max_tokens, 1),
+                             ("world_size", world_size, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    if max_sentences is not None and (not isinstance(max_sentences, int)
+                                      or max_sentences < 1):
+        raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
+    if not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
+    cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens, strict=True)]
+    longest = max(range(len(cost)), key=cost.__getitem__)
+    if cost[longest] > max_tokens:
+        raise ValueError(f"pair {longest} has {cost[longest]} tokens, more than "
+                         f"max_tokens={max_tokens}; "
+                         f"raise max_tokens or drop pairs longer than it")
+    return cost
+
+
+def shard_batches(batches: list[list[int]], rank: int = 0,
+                  world_size: int = 1) -> list[list[int]]:
+    """Rank `rank`'s share of an epoch: every `world_size`-th batch, after dropping the
+    last few (fewer than `world_size`) so that every rank runs the same number of steps."""
+    if world_size == 1:
+        return batches
+    usable = len(batches) // world_size * world_size
+    if usable == 0:
+        raise ValueError(f"only {len(batches)} batches for "
+                         f"world_size={world_size}; lower max_tokens")
+    return batches[:usable][rank::world_size]
+
+
+def id_rows(seqs) -> list[torch.Tensor]:
+    """The sequences of ids given to chapter 1's `pad_batch`, each as a 1-D long tensor,
+    or the error that names the one that is not."""
+    if isinstance(seqs, torch.Tensor) or len(seqs) == 0:
+        raise ValueError("pad_batch expects a non-empty list of id sequences")
+    rows = []
+    for b, s in enumerate(seqs):
+        if isinstance(s, torch.Tensor):
+            t = s
+        else:
+            s = list(s)
+            t = torch.tensor(s) if s else torch.zeros(0, dtype=torch.long)
+        if t.dim() != 1:
+            raise ValueError(f"sequence {b} has shape {tuple(t.shape)}; expected a "
+                             "1-D sequence of ids")
+        if t.is_floating_point() or t.dtype == torch.bool:
+            raise TypeError(f"sequence {b} has dtype {t.dtype}; token ids must be "
+                            "integers")
+        rows.append(t.long())
+    return rows

@@ -3,199 +3,48 @@
 # %% ../book/01_tokens.ipynb #9273be54
 from __future__ import annotations
 
-import io
 import math
-import operator
-import os
 import random
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 
-import sentencepiece as spm
 import torch
 from torch import nn
 
+from . import data  # appendix A: files, checks, shares
+
 PAD, UNK, BOS, EOS = 0, 1, 2, 3
-SPECIAL_PIECES = ("<pad>", "<unk>", "<s>", "</s>")  # the pieces behind ids 0, 1, 2, 3
-MODEL_TYPES = ("bpe", "unigram")
 
 # %% auto #0
-__all__ = ['PAD', 'UNK', 'BOS', 'EOS', 'SPECIAL_PIECES', 'MODEL_TYPES', 'Tokenizer', 'Embeddings', 'token_batches', 'pad_batch']
+__all__ = ['PAD', 'UNK', 'BOS', 'EOS', 'Tokenizer', 'Embeddings', 'token_batches', 'pad_batch']
 
 # %% ../book/01_tokens.ipynb #c501f6bb
-class Tokenizer:
-    """A joint subword vocabulary for both languages: a trained sentencepiece model
-    with `PAD, UNK, BOS, EOS = 0, 1, 2, 3`. Build one with `Tokenizer.train` or
-    `Tokenizer.load`."""
-
-    def __init__(self, model_proto: bytes):
-        sp = spm.SentencePieceProcessor()
-        try:
-            sp.LoadFromSerializedProto(bytes(model_proto))
-        except (RuntimeError, TypeError) as e:
-            raise ValueError(f"not a sentencepiece model ({len(model_proto)} "
-                             f"bytes): {e}") from None
-        found = tuple(sp.id_to_piece(i)
-                      for i in range(min(len(SPECIAL_PIECES), sp.get_piece_size())))
-        if found != SPECIAL_PIECES:
-            raise ValueError(f"this sentencepiece model has special pieces {found} "
-                             "at ids 0-3, expected "
-                             f"{SPECIAL_PIECES}; train it with Tokenizer.train")
-        self.sp = sp
-        self._proto = bytes(model_proto)
+class Tokenizer(data.SentencePieceModel):
+    """A joint subword vocabulary for both languages with `PAD, UNK, BOS, EOS = 0, 1, 2, 3`:
+    `Tokenizer.train` or `Tokenizer.load` (files and checks: appendix A's `SentencePieceModel`)."""
 
     @classmethod
-    def train(cls, texts: Iterable[str], vocab_size: int = 8000,
-              model_type: str = "bpe", *,
-              character_coverage: float = 1.0, byte_fallback: bool = False,
-              num_threads: int = 2) -> "Tokenizer":
-        """Train a sentencepiece model in memory on `texts` (one sentence each; pass
-        both languages for a joint vocabulary). Same texts and settings give the same
-        model."""
-        if isinstance(texts, (str, bytes)):
-            raise TypeError("texts must be an iterable of sentences, not a single "
-                            "string")
-        texts = list(texts)
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise TypeError(f"texts[{i}] is a {type(t).__name__}, expected str")
-        if not any(t.strip() for t in texts):
-            raise ValueError(f"cannot train a tokenizer on {len(texts)} texts with "
-                             "no characters")
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type={model_type!r} is not one of {MODEL_TYPES}")
-        if not isinstance(vocab_size, int) or vocab_size <= len(SPECIAL_PIECES):
-            raise ValueError(f"vocab_size={vocab_size!r} must be an int larger than "
-                             "the "
-                             f"{len(SPECIAL_PIECES)} special pieces")
-        model = io.BytesIO()
-        try:
-            spm.SentencePieceTrainer.train(
-                sentence_iterator=iter(texts), model_writer=model,
-                vocab_size=vocab_size,
-                model_type=model_type, character_coverage=character_coverage,
-                byte_fallback=byte_fallback, num_threads=num_threads,
-                pad_id=PAD, unk_id=UNK, bos_id=BOS, eos_id=EOS,
-                pad_piece=SPECIAL_PIECES[PAD],
-                unk_piece=SPECIAL_PIECES[UNK], bos_piece=SPECIAL_PIECES[BOS],
-                eos_piece=SPECIAL_PIECES[EOS], minloglevel=2)
-        except RuntimeError as e:
-            raise ValueError(f"sentencepiece could not train a {model_type} model with "
-                             f"vocab_size={vocab_size} on {len(texts)} texts: "
-                             f"{e}") from e
-        return cls(model.getvalue())
+    def train(cls, texts: Iterable[str], vocab_size: int = 8000, model_type: str = "bpe",
+              **options) -> Tokenizer:
+        "BPE (or unigram) on `texts`, both languages; deterministic. `options`: appendix A."
+        return cls(data.train_sentencepiece(texts, vocab_size, model_type, **options))
 
-    # --- persistence ---------------------------------------------------------------
-    def to_bytes(self) -> bytes:
-        """The serialized sentencepiece model (what `save` writes; store it in a
-        checkpoint)."""
-        return self._proto
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "Tokenizer":
-        return cls(data)
-
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the model to `path` (a `.model` file sentencepiece tools can read),
-        atomically."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(self._proto)
-        os.replace(tmp, path)
-        return path
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Tokenizer":
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"no tokenizer model at {path}; train one with "
-                                    "Tokenizer.train "
-                                    f"and save it with .save(path)")
-        try:
-            return cls(path.read_bytes())
-        except ValueError as e:
-            raise ValueError(f"{path}: {e}") from None
-
-    # picklable (e.g. for DataLoader workers): keep the bytes only
-    def __getstate__(self):
-        return {"model_proto": self._proto}
-
-    def __setstate__(self, state):
-        self.__init__(state["model_proto"])
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Tokenizer) and self._proto == other._proto
-
-    __hash__ = None
-
-    # --- the vocabulary ------------------------------------------------------------
-    @property
-    def vocab_size(self) -> int:
-        return self.sp.get_piece_size()
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def __repr__(self) -> str:
-        return f"Tokenizer(vocab_size={self.vocab_size})"
-
-    def id_to_piece(self, i: int) -> str:
-        return self.sp.id_to_piece(self._check_id(i))
-
-    def piece_to_id(self, piece: str) -> int:
-        "The id of `piece`, `UNK` when it is not in the vocabulary."
-        return self.sp.piece_to_id(piece)
-
-    def _check_id(self, i) -> int:
-        if isinstance(i, (bool, float)):
-            raise TypeError(f"token id {i!r} is not an integer")
-        try:
-            i = operator.index(i)  # int, numpy integer, 0-d integer tensor
-        except TypeError:
-            raise TypeError(f"token id {i!r} is not an integer") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is out of range for "
-                             f"vocab_size={self.vocab_size}")
-        return i
-
-    # --- text <-> ids --------------------------------------------------------------
     def encode(self, text: str, bos: bool = False, eos: bool = False) -> list[int]:
         "Token ids of one sentence, optionally wrapped in `BOS ... EOS`."
-        if not isinstance(text, str):
-            raise TypeError(f"encode expects a str, got {type(text).__name__}; "
-                            f"use encode_batch for a list of sentences")
+        text = self.check_text(text, "encode", "; use encode_batch for a list of sentences")
         return self.sp.encode(text, out_type=int, add_bos=bos, add_eos=eos)
 
     def encode_batch(self, texts: Sequence[str], bos: bool = False,
                      eos: bool = False) -> list[list[int]]:
         "Token ids of many sentences (encoded in parallel by sentencepiece)."
-        if isinstance(texts, str):
-            raise TypeError("encode_batch expects a list of sentences, not a single "
-                            "string; use encode")
-        texts = list(texts)
-        for i, t in enumerate(texts):
-            if not isinstance(t, str):
-                raise TypeError(f"texts[{i}] is a {type(t).__name__}, expected str")
-        return self.sp.encode(texts, out_type=int, add_bos=bos, add_eos=eos)
+        return self.sp.encode(self.check_batch(texts), out_type=int, add_bos=bos, add_eos=eos)
 
     def pieces(self, text: str) -> list[str]:
         "The subword pieces of `text` (for looking at a segmentation)."
-        if not isinstance(text, str):
-            raise TypeError(f"pieces expects a str, got {type(text).__name__}")
-        return self.sp.encode(text, out_type=str)
+        return self.sp.encode(self.check_text(text, "pieces"), out_type=str)
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
-        """Text of a sequence of ids. `PAD`, `BOS` and `EOS` are dropped; `UNK`
-        shows as ' ⁇ '."""
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1:
-                raise ValueError("decode expects one sequence (1-D), got shape "
-                                 f"{tuple(ids.shape)}; "
-                                 f"use decode_batch")
-            ids = ids.tolist()
-        ids = [self._check_id(i) for i in ids]
-        return self.sp.decode([i for i in ids if i not in (PAD, BOS, EOS)])
+        "Text of a sequence of ids: `PAD`, `BOS`, `EOS` dropped, `UNK` shown as ' ⁇ '."
+        return self.sp.decode([i for i in self.check_ids(ids) if i not in (PAD, BOS, EOS)])
 
     def decode_batch(self, batch: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
         "Text of each row of `batch` (a list of id lists, or a `(B, T)` tensor)."
@@ -206,12 +55,8 @@ class Tokenizer:
 
 # %% ../book/01_tokens.ipynb #908ce33b
 class Embeddings(nn.Module):
-    """Token ids -> vectors: a lookup table scaled by sqrt(d_model)
-    (paper, section 3.4).
-
-    The table starts as N(0, 1/d_model), the scale an output projection sharing these
-    weights wants, so the scaled output has entries of about unit size, like the
-    positional encoding."""
+    """Token ids -> vectors: a lookup table scaled by sqrt(d_model) (paper, section 3.4),
+    initialized N(0, 1/d_model) so that the output has unit-size entries."""
 
     def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None = PAD):
         super().__init__()
@@ -219,8 +64,7 @@ class Embeddings(nn.Module):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-            raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+            raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary [0, {vocab_size})")
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=d_model ** -0.5)
@@ -230,99 +74,45 @@ class Embeddings(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.long, torch.int32):
-            raise TypeError("Embeddings expects integer token ids (long), got "
-                            f"dtype {ids.dtype}")
-        # (B, T) -> (B, T, d_model)
-        return self.embedding(ids) * math.sqrt(self.d_model)
+            raise TypeError(f"Embeddings expects integer token ids (long), got dtype {ids.dtype}")
+        return self.embedding(ids) * math.sqrt(self.d_model)  # (B, T) -> (B, T, d_model)
 
 # %% ../book/01_tokens.ipynb #04b353fb
-def token_batches(src: Sequence[Sequence[int]],
-                  tgt: Sequence[Sequence[int]] | None = None,
+def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | None = None,
                   max_tokens: int = 4096, *, shuffle: bool = True, seed: int = 0,
                   max_sentences: int | None = None, rank: int = 0,
                   world_size: int = 1) -> list[list[int]]:
-    """Split sentence pairs into batches of indices whose padded size fits `max_tokens`.
-
-    The cost of a batch is `len(batch) * longest side`, the number of slots of the
-    larger padded `(B, T)` tensor. Pairs are sorted by length (ties in random order),
-    packed greedily, and the batch order is shuffled with `seed` (pass the epoch).
-    Every pair lands in exactly one batch. With `world_size > 1`, rank `rank` gets
-    every `world_size`-th batch, after dropping the last few (fewer than
-    `world_size`) so that every rank runs the same number of steps. Lengths are those
-    of the sequences as given: add BOS/EOS before, if the model sees them."""
+    """Batches of indices whose padded size (`len(batch) * longest side`) fits `max_tokens`,
+    length-bucketed, shuffled with `seed` (pass the epoch); every pair in exactly one batch;
+    `rank` of `world_size` processes gets its share (appendix A). Add BOS/EOS before."""
     src_lens = [len(s) for s in src]
     tgt_lens = src_lens if tgt is None else [len(t) for t in tgt]
-    if len(src_lens) != len(tgt_lens):
-        raise ValueError(f"src has {len(src_lens)} sequences but tgt has "
-                         f"{len(tgt_lens)}")
-    if not src_lens:
-        raise ValueError("token_batches got no sequences")
-    for name, value, low in (("max_tokens", max_tokens, 1),
-                             ("world_size", world_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    if max_sentences is not None and (not isinstance(max_sentences, int)
-                                      or max_sentences < 1):
-        raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
-    cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens, strict=True)]
-    longest = max(range(len(cost)), key=cost.__getitem__)
-    if cost[longest] > max_tokens:
-        raise ValueError(f"pair {longest} has {cost[longest]} tokens, more than "
-                         f"max_tokens={max_tokens}; "
-                         f"raise max_tokens or drop pairs longer than it")
-
+    # a pair costs its longer side; appendix A checks the arguments
+    cost = data.batch_costs(src_lens, tgt_lens, max_tokens, max_sentences, rank, world_size)
     rng = random.Random(seed)
     order = list(range(len(cost)))
     if shuffle:
         rng.shuffle(order)  # random order inside each length bucket ...
-    # ... stable sort makes the buckets
-    order.sort(key=lambda i: (cost[i], src_lens[i], tgt_lens[i]))
-    batches, batch, longest_in_batch = [], [], 0
+    order.sort(key=lambda i: (cost[i], src_lens[i], tgt_lens[i]))  # ... stable sort: buckets
+    batches, batch, longest = [], [], 0
     for i in order:
-        grown = max(longest_in_batch, cost[i])
+        grown = max(longest, cost[i])
         full = max_sentences is not None and len(batch) >= max_sentences
         if batch and ((len(batch) + 1) * grown > max_tokens or full):
             batches.append(batch)
             batch, grown = [], cost[i]
         batch.append(i)
-        longest_in_batch = grown
+        longest = grown
     batches.append(batch)
     if shuffle:
         rng.shuffle(batches)
-    if world_size > 1:
-        usable = len(batches) // world_size * world_size
-        if usable == 0:
-            raise ValueError(f"only {len(batches)} batches for "
-                             f"world_size={world_size}; lower max_tokens")
-        batches = batches[:usable][rank::world_size]
-    return batches
+    return data.shard_batches(batches, rank, world_size)
 
 
 def pad_batch(seqs: Sequence[Sequence[int]],
               pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stack sequences of ids into `ids (B, T)` long, padded with `pad_id` on the
-    right, and `mask (B, T)` bool, True where a real token is. T is the longest
-    sequence."""
-    if isinstance(seqs, torch.Tensor) or len(seqs) == 0:
-        raise ValueError("pad_batch expects a non-empty list of id sequences")
-    rows = []
-    for b, s in enumerate(seqs):
-        if isinstance(s, torch.Tensor):
-            t = s
-        else:
-            s = list(s)
-            t = torch.tensor(s) if s else torch.zeros(0, dtype=torch.long)
-        if t.dim() != 1:
-            raise ValueError(f"sequence {b} has shape {tuple(t.shape)}; expected a "
-                             "1-D sequence of ids")
-        if t.is_floating_point() or t.dtype == torch.bool:
-            raise TypeError(f"sequence {b} has dtype {t.dtype}; token ids must be "
-                            "integers")
-        rows.append(t.long())
+    "`ids (B, T)` padded with `pad_id` on the right, and `mask (B, T)`: True = real token."
+    rows = data.id_rows(seqs)  # 1-D long tensors (appendix A checks them)
     lengths = torch.tensor([len(r) for r in rows])  # (B,)
-    # (B, T)
-    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
-    mask = torch.arange(ids.shape[1]) < lengths[:, None]  # (B, T), True = real token
-    return ids, mask
+    ids = nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)  # (B, T)
+    return ids, torch.arange(ids.shape[1]) < lengths[:, None]  # mask (B, T): True = real
