@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
-EXERCISED = ["02_attention", "03_scaling", "04_heads", "05_positions", "06_blocks", "07_masking"]
+EXERCISED = ["02_attention", "03_scaling", "04_heads", "05_positions", "06_blocks",
+             "07_masking", "07_1_model"]
 
 
 def cells(stem):
