@@ -1,4 +1,4 @@
-"""Chapter 08, training.py: `SubwordDropout` (BPE-dropout drawn anew each epoch), in the loop and on the command line."""
+"""Appendix E.2, engine/loop.py: `SubwordDropout` (BPE-dropout drawn anew each epoch), in the loop and on the command line."""
 import json
 import os
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from transformer.data import load_multi30k
-from transformer.engine.loop import train
+from transformer.engine.loop import SubwordDropout, merge_children, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, UNK, Tokenizer
-from transformer.training import SubwordDropout, TrainConfig, make_examples, merge_children
+from transformer.training import TrainConfig, make_examples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -79,7 +79,7 @@ def test_draws_are_the_same_in_another_process(tok, pairs, tmp_path):
     import sys
     tok.save(tmp_path / "tok.model")
     code = ("import hashlib, os; from transformer.data import load_multi30k; "
-            "from transformer.tokens import Tokenizer; from transformer.training import SubwordDropout; "
+            "from transformer.tokens import Tokenizer; from transformer.engine.loop import SubwordDropout; "
             "pairs = load_multi30k('de', 'en', 'val', data_dir=os.environ['TRANSFORMER_DATA'], download=False); "
             f"d = SubwordDropout(Tokenizer.load({str(tmp_path / 'tok.model')!r}), pairs, 0.2, seed=3); "
             "print(hashlib.sha256(repr(d(4)).encode()).hexdigest())")

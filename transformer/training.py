@@ -3,8 +3,6 @@
 # %% ../book/08_training.ipynb #c002
 from __future__ import annotations
 
-import math
-import random
 import warnings
 from dataclasses import dataclass
 
@@ -14,11 +12,11 @@ from torch import nn
 
 from .masking import teacher_forcing
 from .model import Transformer, config_from_dict
-from .tokens import PAD, UNK, Tokenizer, pad_batch, token_batches
+from .tokens import PAD, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
 __all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate',
-           'make_examples', 'merge_children', 'SubwordDropout', 'Seq2SeqLoss', 'TrainConfig']
+           'make_examples', 'Seq2SeqLoss', 'TrainConfig']
 
 # %% ../book/08_training.ipynb #c005
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
@@ -115,84 +113,6 @@ def make_examples(tokenizer: Tokenizer, pairs: list[tuple[str, str]],
 
 def _fits(src: list[int], tgt: list[int], max_len: int | float | None) -> bool:
     return max_len is None or (len(src) <= max_len and len(tgt) <= max_len)
-
-
-def merge_children(tokenizer: Tokenizer) -> list[tuple[int, int] | None]:
-    """For every id of a BPE vocabulary, the two pieces whose merge makes it (None for
-    single characters and special pieces): found by running the merges, best score
-    first, on the piece's own characters."""
-    sp, children = tokenizer.sp, []
-    known = lambda piece: (i := sp.piece_to_id(piece)) != UNK and not sp.is_control(i)
-    for i in range(tokenizer.vocab_size):
-        piece = sp.id_to_piece(i)
-        symbols, last = list(piece), None
-        if sp.is_control(i) or sp.is_unknown(i) or len(piece) < 2:
-            children.append(None)
-            continue
-        while len(symbols) > 1:
-            # the adjacent pair whose merge is in the vocabulary with the best score
-            j = max((j for j in range(len(symbols) - 1)
-                     if known(symbols[j] + symbols[j + 1])),
-                    key=lambda j: sp.get_score(sp.piece_to_id(symbols[j] + symbols[j + 1])),
-                    default=None)
-            if j is None:
-                break
-            last = (symbols[j], symbols[j + 1])
-            symbols[j:j + 2] = [symbols[j] + symbols[j + 1]]
-        if len(symbols) > 1:   # the merges never make this piece: keep it whole
-            children.append(None)
-        else:
-            children.append((sp.piece_to_id(last[0]), sp.piece_to_id(last[1])))
-    return children
-
-
-class SubwordDropout:
-    """The training pairs segmented anew every epoch, a variant of BPE-dropout
-    (Provilkov et al., 2020): every merge that made a piece of the deterministic
-    segmentation is undone with probability `p`, independently, down to single
-    characters. `self(epoch)` is that epoch's `(x EOS, BOS y EOS)` examples.
-
-    The draws come from `random.Random` seeded with `(seed, epoch)` alone, so a
-    resumed run sees the segmentations it would have seen. The pairs are those
-    `make_examples` keeps; a pair whose sampled ids exceed `max_len` (or `max_tokens`,
-    what one piece of a step holds) keeps its deterministic ids."""
-
-    def __init__(self, tokenizer: Tokenizer, pairs: list[tuple[str, str]], p: float,
-                 seed: int = 0, max_len: int | None = None,
-                 max_tokens: int | None = None):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
-            raise ValueError(f"p={p!r} must be in (0, 1); without dropout there is one "
-                             "segmentation: use make_examples")
-        self.fixed = make_examples(tokenizer, pairs, max_len)   # deterministic ids
-        self.p, self.seed = float(p), seed
-        self.limit = min(n for n in (max_len, max_tokens, math.inf) if n is not None)
-        self.children = merge_children(tokenizer)
-        self._last = (None, None)                             # (epoch, its examples)
-
-    def __len__(self) -> int:
-        return len(self.fixed)
-
-    def _split(self, ids: list[int], rng: random.Random) -> list[int]:
-        out, children, p = [], self.children, self.p
-        for i in ids:
-            stack = [i]
-            while stack:                     # depth first, left piece before right
-                j = stack.pop()
-                if children[j] is not None and rng.random() < p:
-                    stack += children[j][::-1]
-                else:
-                    out.append(j)
-        return out
-
-    def __call__(self, epoch: int) -> list[tuple[list[int], list[int]]]:
-        if self._last[0] != epoch:
-            rng = random.Random(self.seed * 1_000_003 + epoch)
-            examples = []
-            for src, tgt in self.fixed:
-                s, t = self._split(src, rng), self._split(tgt, rng)
-                examples.append((s, t) if _fits(s, t, self.limit) else (src, tgt))
-            self._last = (epoch, examples)
-        return self._last[1]
 
 # %% ../book/08_training.ipynb #c022
 class Seq2SeqLoss(nn.Module):

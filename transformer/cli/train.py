@@ -35,13 +35,13 @@ from transformer.cli.commands import (
 from ..data import sha256_file
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
 from ..engine.devices import init_distributed
-from ..engine.loop import final_evaluation, train
+from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
 from ..evaluation import bleu_callback
 from ..model import TransformerConfig
 from ..modern.gpt import build_model
 from ..tokens import Tokenizer
-from ..training import SubwordDropout, TrainConfig, make_examples
+from ..training import TrainConfig, make_examples
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
