@@ -12,8 +12,9 @@ __all__ = ['RMSNorm', 'swiglu_d_ff', 'SwiGLU']
 
 # %% ../../book/17_rmsnorm_swiglu.ipynb #n007
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019): g * x / sqrt(mean(x^2) + eps) over the last
-    dimension, with a learned gain g (d_model numbers, initialised to 1) and no bias.
+    """RMSNorm (Zhang & Sennrich 2019): gamma * x / sqrt(mean(x^2) + eps) over the
+    last dimension, with a learned gain gamma (d_model numbers, initialised to 1) and
+    no bias.
     bfloat16/float16 inputs are normalised in float32 and cast back before the gain."""
 
     def __init__(self, d_model: int, eps: float = 1e-6):
@@ -23,7 +24,7 @@ class RMSNorm(nn.Module):
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
             raise ValueError(f"eps={eps!r} must be a number > 0 (Llama uses 1e-6 or 1e-5)")
         self.d_model, self.eps = d_model, float(eps)
-        self.weight = nn.Parameter(torch.ones(d_model))              # the gain g
+        self.weight = nn.Parameter(torch.ones(d_model))              # the gain gamma
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}"
