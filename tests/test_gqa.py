@@ -14,15 +14,15 @@ D, H = 48, 6
 
 def _sdpa_reference(m, x, is_causal=True, mask=None):
     B, T, _ = x.shape
-    q = m.w_q(x).view(B, T, m.h, m.d_head).transpose(1, 2)
-    k = m.w_k(x).view(B, T, m.g, m.d_head).transpose(1, 2)
-    v = m.w_v(x).view(B, T, m.g, m.d_head).transpose(1, 2)
+    q = m.w_q(x).view(B, T, m.h, m.d_k).transpose(1, 2)
+    k = m.w_k(x).view(B, T, m.g, m.d_k).transpose(1, 2)
+    v = m.w_v(x).view(B, T, m.g, m.d_k).transpose(1, 2)
     if m.rope_base is not None:
-        cos, sin = rope_cos_sin(T, m.d_head, m.rope_base, dtype=x.dtype)
+        cos, sin = rope_cos_sin(T, m.d_k, m.rope_base, dtype=x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal,
                                          enable_gqa=True)
-    return m.w_o(out.transpose(1, 2).reshape(B, T, m.h * m.d_head))
+    return m.w_o(out.transpose(1, 2).reshape(B, T, m.h * m.d_k))
 
 
 @pytest.mark.parametrize("bias", [True, False])
@@ -92,6 +92,29 @@ def test_cached_decoding_equals_the_full_forward(g):
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-12)
 
 
+def test_is_causal_with_a_cache_is_bottom_right():
+    """With T_k - T positions cached, is_causal=True means query p sees keys 0 .. p: the
+    T new queries are the last T positions (triangle aligned bottom-right, tril(T_k - T)),
+    not chapter 3's / F.sdpa's top-left triangle (tril()), which is right only for T = T_k."""
+    torch.manual_seed(3)
+    m = GroupedQueryAttention(D, H, 2, rope_base=10000.0).double().eval()
+    x = torch.randn(2, 9, D, dtype=torch.float64)
+    T_cached, T = 5, 4
+    outs = {}
+    for kind in ("flag", "bottom-right", "top-left"):
+        cache = KVCache(9)
+        m(x[:, :T_cached], is_causal=True, cache=cache)
+        if kind == "flag":
+            outs[kind] = m(x[:, T_cached:], is_causal=True, cache=cache)
+        else:
+            tri = torch.ones(T, T_cached + T, dtype=torch.bool)
+            mask = tri.tril(T_cached) if kind == "bottom-right" else tri.tril()
+            outs[kind] = m(x[:, T_cached:], mask=mask, cache=cache)
+    assert torch.allclose(outs["flag"], outs["bottom-right"], atol=1e-12)
+    assert not torch.allclose(outs["flag"], outs["top-left"], atol=1e-3)
+    assert torch.allclose(outs["flag"], m(x, is_causal=True)[:, T_cached:], atol=1e-12)
+
+
 @pytest.mark.parametrize("g", [1, 2, 6])
 def test_cache_bytes(g):
     m = GroupedQueryAttention(D, H, g)
@@ -107,8 +130,8 @@ def test_cache_bytes(g):
     (lambda: GroupedQueryAttention(48, 6, 4), "h=6 query heads cannot be split into g=4"),
     (lambda: GroupedQueryAttention(48, 6, 0), "g=0 must be a positive int"),
     (lambda: GroupedQueryAttention(48, 5, 5), "d_model=48 is not divisible by h=5"),
-    (lambda: GroupedQueryAttention(48, 8, 8, d_head=5, rope_base=1e4),
-     "d_head=5 must be even"),
+    (lambda: GroupedQueryAttention(48, 8, 8, d_k=5, rope_base=1e4),
+     "d_k=5 must be even"),
     (lambda: GroupedQueryAttention(48, 6, 2, dropout=1.0), "dropout=1.0"),
     (lambda: KVCache(0), "capacity=0"),
 ])

@@ -35,7 +35,7 @@ def _twin(model):
 
 
 CONFIGS = [dict(), dict(tie_embeddings=True), dict(g=4), dict(g=1, n_layers=3),
-           dict(d_head=8, rope_base=500000.0, norm_eps=1e-6)]
+           dict(d_k=8, rope_base=500000.0, norm_eps=1e-6)]
 
 
 @pytest.mark.parametrize("overrides", CONFIGS)
@@ -136,7 +136,7 @@ def test_parameter_counts_of_the_presets():
     (lambda: LlamaConfig.preset("huge"), "unknown preset 'huge'"),
     (lambda: LlamaConfig(d_model=64, h=4, g=3), "h=4 query heads cannot be split into g=3"),
     (lambda: LlamaConfig(d_model=60, h=8), "d_model=60 is not divisible by h=8"),
-    (lambda: LlamaConfig(d_model=60, h=4), "d_head=15 must be even"),
+    (lambda: LlamaConfig(d_model=60, h=4), "d_k=15 must be even"),
     (lambda: LlamaConfig(vocab_size=0), "vocab_size=0"),
 ])
 def test_bad_configs(make, message):

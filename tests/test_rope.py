@@ -18,7 +18,7 @@ def _rotate(x, offset=0, base=10000.0):
 @pytest.mark.parametrize("base", [10000.0, 500000.0])
 def test_scores_depend_only_on_the_offset(base):
     torch.manual_seed(0)
-    q = torch.randn(2, 3, 24, 32, dtype=torch.float64)   # (B, h, T, d_head)
+    q = torch.randn(2, 3, 24, 32, dtype=torch.float64)   # (B, h, T, d_k)
     k = torch.randn(2, 3, 24, 32, dtype=torch.float64)
     scores = _rotate(q, base=base) @ _rotate(k, base=base).transpose(-2, -1)
     for shift in (1, 5, 999, 40000):
@@ -73,18 +73,18 @@ def test_offset_gives_the_rows_of_a_longer_table_and_dtypes_follow():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda: rope_frequencies(15), "d_head=15 must be even"),
-    (lambda: rope_frequencies(0), "d_head=0"),
+    (lambda: rope_frequencies(15), "d_k=15 must be even"),
+    (lambda: rope_frequencies(0), "d_k=0"),
     (lambda: rope_frequencies(8, base=1.0), "base=1.0 must be a number > 1"),
     (lambda: rope_cos_sin(0, 8), "T=0"),
     (lambda: rope_cos_sin(4, 8, offset=-1), "offset=-1"),
     (lambda: rope_cos_sin(2.5, 8), "T=2.5"),
-    (lambda: apply_rope(torch.zeros(4, 10), *rope_cos_sin(4, 8)), "d_head = 2 \\* cos"),
+    (lambda: apply_rope(torch.zeros(4, 10), *rope_cos_sin(4, 8)), "d_k = 2 \\* cos"),
     (lambda: apply_rope(torch.zeros(5, 8), *rope_cos_sin(4, 8)), "x has T=5 positions"),
     (lambda: apply_rope(torch.zeros(4, 8), torch.zeros(4, 4), torch.zeros(4, 3)),
      "must have the same shape"),
     (lambda: apply_rope(torch.zeros(8), *rope_cos_sin(4, 8)),
-     "must be \\(..., T, d_head\\)"),
+     "must be \\(..., T, d_k\\)"),
 ])
 def test_bad_inputs_name_the_value(call, message):
     with pytest.raises(ValueError, match=message):

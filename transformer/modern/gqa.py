@@ -20,13 +20,16 @@ class GroupedQueryAttention(nn.Module):
     heads, g dividing h; query head j reads key/value head j // (h/g). g = h is
     multi-head attention (chapter 4), g = 1 multi-query attention (Shazeer 2019).
 
-    d_head: width of every head (default d_model / h). rope_base: rotate queries and
-    keys with RoPE (chapter 14) at their positions; None: no positions here.
+    d_k: width of every head, queries, keys and values alike (d_v = d_k; default
+    d_model / h). rope_base: rotate queries and keys with RoPE (chapter 14) at their
+    positions; None: no positions here.
     forward(x (B, T, d_model), mask=None, is_causal=False, cache=None) -> (B, T, d_model).
     mask: bool, broadcastable to (B, h, T, T_k) with T_k = positions cached + T,
-    True = may attend. cache: a KVCache; x's positions start at cache.length."""
+    True = may attend. cache: a KVCache; x's positions start at cache.length.
+    is_causal=True: query p sees keys 0 .. p, so with a cache the triangle is aligned
+    bottom-right (the last query sees every key), not top-left as in F.sdpa."""
 
-    def __init__(self, d_model: int, h: int, g: int, d_head: int | None = None,
+    def __init__(self, d_model: int, h: int, g: int, d_k: int | None = None,
                  bias: bool = False, rope_base: float | None = None,
                  dropout: float = 0.0):
         super().__init__()
@@ -37,23 +40,23 @@ class GroupedQueryAttention(nn.Module):
             divisors = [k for k in range(1, h + 1) if h % k == 0]
             raise ValueError(f"h={h} query heads cannot be split into g={g} groups; "
                              f"g must divide h, e.g. one of {divisors}")
-        if d_head is None and d_model % h:
+        if d_k is None and d_model % h:
             raise ValueError(f"d_model={d_model} is not divisible by h={h}; choose h "
-                             "that divides d_model, or give d_head")
+                             "that divides d_model, or give d_k")
         self.d_model, self.h, self.g = d_model, h, g
-        self.d_head = d_head or d_model // h
-        if rope_base is not None and self.d_head % 2:
-            raise ValueError(f"d_head={self.d_head} must be even to use RoPE")
+        self.d_k = d_k or d_model // h
+        if rope_base is not None and self.d_k % 2:
+            raise ValueError(f"d_k={self.d_k} must be even to use RoPE")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1)")
         self.rope_base, self.dropout = rope_base, dropout
-        self.w_q = nn.Linear(d_model, h * self.d_head, bias=bias)   # h query heads
-        self.w_k = nn.Linear(d_model, g * self.d_head, bias=bias)   # g key heads
-        self.w_v = nn.Linear(d_model, g * self.d_head, bias=bias)   # g value heads
-        self.w_o = nn.Linear(h * self.d_head, d_model, bias=bias)   # W^O
+        self.w_q = nn.Linear(d_model, h * self.d_k, bias=bias)      # h query heads
+        self.w_k = nn.Linear(d_model, g * self.d_k, bias=bias)      # g key heads
+        self.w_v = nn.Linear(d_model, g * self.d_k, bias=bias)      # g value heads
+        self.w_o = nn.Linear(h * self.d_k, d_model, bias=bias)      # W^O
 
     def extra_repr(self) -> str:
-        return (f"d_model={self.d_model}, h={self.h}, g={self.g}, d_head={self.d_head}, "
+        return (f"d_model={self.d_model}, h={self.h}, g={self.g}, d_k={self.d_k}, "
                 f"rope_base={self.rope_base}")
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
@@ -65,24 +68,24 @@ class GroupedQueryAttention(nn.Module):
             raise ValueError("pass either a mask or is_causal=True, not both")
         B, T, _ = x.shape
         start = cache.length if cache is not None else 0     # position of x's first token
-        q = split_heads(self.w_q(x), self.h)                  # (B, h, T, d_head)
-        k = split_heads(self.w_k(x), self.g)                  # (B, g, T, d_head)
-        v = split_heads(self.w_v(x), self.g)                  # (B, g, T, d_head)
+        q = split_heads(self.w_q(x), self.h)                  # (B, h, T, d_k)
+        k = split_heads(self.w_k(x), self.g)                  # (B, g, T, d_k)
+        v = split_heads(self.w_v(x), self.g)                  # (B, g, T, d_k)
         if self.rope_base is not None:
-            cos, sin = rope_cos_sin(T, self.d_head, self.rope_base, offset=start,
+            cos, sin = rope_cos_sin(T, self.d_k, self.rope_base, offset=start,
                                     device=x.device, dtype=x.dtype)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
-            k, v = cache.append(k, v)                        # (B, g, T_k, d_head)
+            k, v = cache.append(k, v)                        # (B, g, T_k, d_k)
         T_k, r = k.size(2), self.h // self.g                 # r query heads per group
-        if is_causal and T > 1:                              # query p sees keys 0 .. p
+        if is_causal and T > 1:              # query p sees keys 0 .. p: bottom-right
             mask = torch.ones(T, T_k, dtype=torch.bool, device=x.device).tril(T_k - T)
         if mask is not None:                                 # per query head -> per group
             mask = torch.broadcast_to(mask, (B, self.h, T, T_k))
             mask = mask.reshape(B, self.g, r * T, T_k)
-        q = q.reshape(B, self.g, r * T, self.d_head)         # a group's queries, stacked
+        q = q.reshape(B, self.g, r * T, self.d_k)            # a group's queries, stacked
         out, _ = scaled_dot_product_attention(
             q, k, v, mask, dropout_p=self.dropout if self.training else 0.0)
-        out = out.view(B, self.h, T, self.d_head)            # unstack: (B, h, T, d_head)
-        out = out.transpose(1, 2).reshape(B, T, self.h * self.d_head)  # concat the heads
+        out = out.view(B, self.h, T, self.d_k)               # unstack: (B, h, T, d_k)
+        out = out.transpose(1, 2).reshape(B, T, self.h * self.d_k)     # concat the heads
         return self.w_o(out)                                 # (B, T, d_model)

@@ -31,7 +31,8 @@ LLAMA_PRESETS: dict[str, dict] = {
 @dataclass
 class LlamaConfig:
     """Every size of a Llama-style decoder-only model. `g=None`: g = h (multi-head);
-    `d_ff=None`: swiglu_d_ff(d_model); `d_head=None`: d_model / h. Build a named size
+    `d_ff=None`: swiglu_d_ff(d_model); `d_k=None`: d_model / h (the width of
+    every query, key and value head). Build a named size
     with `LlamaConfig.preset(name, **overrides)`."""
     vocab_size: int = 32000
     d_model: int = 4096
@@ -39,7 +40,7 @@ class LlamaConfig:
     h: int = 32
     g: int | None = None
     d_ff: int | None = None
-    d_head: int | None = None
+    d_k: int | None = None
     max_len: int = 4096          # the default cache capacity; RoPE itself has no limit
     rope_base: float = 10000.0
     norm_eps: float = 1e-5
@@ -55,13 +56,13 @@ class LlamaConfig:
         if self.h % self.g:
             raise ValueError(f"h={self.h} query heads cannot be split into g={self.g} "
                              "key/value groups; g must divide h")
-        if self.d_head is None:
+        if self.d_k is None:
             if self.d_model % self.h:
                 raise ValueError(f"d_model={self.d_model} is not divisible by "
-                                 f"h={self.h}; change h or give d_head")
-            self.d_head = self.d_model // self.h
-        if self.d_head % 2:
-            raise ValueError(f"d_head={self.d_head} must be even (RoPE turns pairs)")
+                                 f"h={self.h}; change h or give d_k")
+            self.d_k = self.d_model // self.h
+        if self.d_k % 2:
+            raise ValueError(f"d_k={self.d_k} must be even (RoPE turns pairs)")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "LlamaConfig":
@@ -75,12 +76,12 @@ class LlamaConfig:
 # %% ../../book/19_decoder_only.ipynb #d009
 class LlamaBlock(nn.Module):
     """One decoder layer: pre-norm residual sub-layers, no biases, no dropout.
-    h = x + GQA(RMSNorm(x)) (causal, RoPE); out = h + SwiGLU(RMSNorm(h))."""
+    x <- x + GQA(RMSNorm(x)) (causal, RoPE); x <- x + SwiGLU(RMSNorm(x))."""
 
     def __init__(self, c: LlamaConfig):
         super().__init__()
         self.attention_norm = RMSNorm(c.d_model, c.norm_eps)
-        self.attention = GroupedQueryAttention(c.d_model, c.h, c.g, d_head=c.d_head,
+        self.attention = GroupedQueryAttention(c.d_model, c.h, c.g, d_k=c.d_k,
                                                bias=False, rope_base=c.rope_base)
         self.ffn_norm = RMSNorm(c.d_model, c.norm_eps)
         self.feed_forward = SwiGLU(c.d_model, c.d_ff)
@@ -129,15 +130,15 @@ class Llama(nn.Module):
 # %% ../../book/19_decoder_only.ipynb #d014
 def _to_half_split(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     """Rows of W^Q or W^K from our interleaved RoPE pairs (2i, 2i+1) to the half-split
-    pairs (i, i + d_head/2) of Hugging Face's Llama, head by head."""
-    d_head = w.size(0) // n_heads
-    return w.reshape(n_heads, d_head // 2, 2, -1).transpose(1, 2).reshape(w.shape)
+    pairs (i, i + d_k/2) of Hugging Face's Llama, head by head."""
+    d_k = w.size(0) // n_heads
+    return w.reshape(n_heads, d_k // 2, 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 def _to_interleaved(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     "The inverse of `_to_half_split`."
-    d_head = w.size(0) // n_heads
-    return w.reshape(n_heads, 2, d_head // 2, -1).transpose(1, 2).reshape(w.shape)
+    d_k = w.size(0) // n_heads
+    return w.reshape(n_heads, 2, d_k // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
 _HF_NAMES = {"attention_norm.weight": "input_layernorm.weight",
@@ -196,7 +197,7 @@ def hf_config_dict(config: LlamaConfig) -> dict:
     c = config
     return dict(vocab_size=c.vocab_size, hidden_size=c.d_model,
                 intermediate_size=c.d_ff, num_hidden_layers=c.n_layers,
-                num_attention_heads=c.h, num_key_value_heads=c.g, head_dim=c.d_head,
+                num_attention_heads=c.h, num_key_value_heads=c.g, head_dim=c.d_k,
                 max_position_embeddings=c.max_len, rms_norm_eps=c.norm_eps,
                 rope_parameters={"rope_type": "default", "rope_theta": c.rope_base},
                 tie_word_embeddings=c.tie_embeddings, attention_bias=False,

@@ -14,29 +14,29 @@ def _positive_int(value, name: str, minimum: int = 1) -> None:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
-def rope_frequencies(d_head: int, base: float = 10000.0) -> torch.Tensor:
-    """The angular speed of each pair of dimensions, omega_i = base^(-2i/d_head) for
-    i = 0 .. d_head/2 - 1, in float64: shape (d_head/2,)."""
-    _positive_int(d_head, "d_head", 2)
-    if d_head % 2:
-        raise ValueError(f"d_head={d_head} must be even: RoPE turns pairs of dimensions "
+def rope_frequencies(d_k: int, base: float = 10000.0) -> torch.Tensor:
+    """The angular speed of each pair of dimensions, omega_i = base^(-2i/d_k) for
+    i = 0 .. d_k/2 - 1, in float64: shape (d_k/2,)."""
+    _positive_int(d_k, "d_k", 2)
+    if d_k % 2:
+        raise ValueError(f"d_k={d_k} must be even: RoPE turns pairs of dimensions "
                          "(2i, 2i+1)")
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
         raise ValueError(f"base={base!r} must be a number > 1 (the paper's is 10000)")
-    two_i = torch.arange(0, d_head, 2, dtype=torch.float64)    # 0, 2, 4, ...
-    return float(base) ** (-two_i / d_head)                     # (d_head/2,)
+    two_i = torch.arange(0, d_k, 2, dtype=torch.float64)       # 0, 2, 4, ...
+    return float(base) ** (-two_i / d_k)                        # (d_k/2,)
 
 
-def rope_cos_sin(T: int, d_head: int, base: float = 10000.0, offset: int = 0,
+def rope_cos_sin(T: int, d_k: int, base: float = 10000.0, offset: int = 0,
                  device=None, dtype=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the angles omega_i * pos for positions offset .. offset + T - 1:
-    two tables of shape (T, d_head/2), computed in float64 on the CPU, returned on
+    two tables of shape (T, d_k/2), computed in float64 on the CPU, returned on
     `device` in `dtype` (default: torch's default dtype)."""
     _positive_int(T, "T")
     _positive_int(offset, "offset", 0)
-    omega = rope_frequencies(d_head, base)                      # (d_head/2,)
+    omega = rope_frequencies(d_k, base)                         # (d_k/2,)
     pos = torch.arange(offset, offset + T, dtype=torch.float64)  # (T,)
-    angle = pos[:, None] * omega                                # (T, d_head/2)
+    angle = pos[:, None] * omega                                # (T, d_k/2)
     dtype = dtype or torch.get_default_dtype()
     return (angle.cos().to(device=device, dtype=dtype),
             angle.sin().to(device=device, dtype=dtype))
@@ -44,23 +44,23 @@ def rope_cos_sin(T: int, d_head: int, base: float = 10000.0, offset: int = 0,
 # %% ../../book/14_rope.ipynb #r010
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate each pair of dimensions (2i, 2i+1) of x by the angle whose cos and sin are
-    given: x (..., T, d_head), cos and sin (..., T, d_head/2) from `rope_cos_sin`
+    given: x (..., T, d_k), cos and sin (..., T, d_k/2) from `rope_cos_sin`
     (broadcast over the leading dimensions, e.g. batch and heads). Returns a tensor
     like x. cos and sin are cast to x's dtype."""
     if cos.shape != sin.shape:
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must have "
                          "the same shape")
     if x.dim() < 2 or cos.dim() < 2 or x.size(-1) != 2 * cos.size(-1):
-        raise ValueError(f"x of shape {tuple(x.shape)} must be (..., T, d_head) with "
-                         f"d_head = 2 * cos.size(-1); cos has shape {tuple(cos.shape)} "
-                         "(build both with rope_cos_sin(T, d_head))")
+        raise ValueError(f"x of shape {tuple(x.shape)} must be (..., T, d_k) with "
+                         f"d_k = 2 * cos.size(-1); cos has shape {tuple(cos.shape)} "
+                         "(build both with rope_cos_sin(T, d_k))")
     if x.size(-2) != cos.size(-2):
         raise ValueError(f"x has T={x.size(-2)} positions but cos/sin have "
                          f"{cos.size(-2)}; build them with "
                          f"rope_cos_sin(T={x.size(-2)}, ...)")
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    x_even, x_odd = x[..., 0::2], x[..., 1::2]                  # (..., T, d_head/2) each
+    x_even, x_odd = x[..., 0::2], x[..., 1::2]                  # (..., T, d_k/2) each
     rotated = torch.stack((x_even * cos - x_odd * sin,          # new dimension 2i
                            x_even * sin + x_odd * cos),         # new dimension 2i + 1
-                          dim=-1)                               # (..., T, d_head/2, 2)
-    return rotated.flatten(-2)                                  # (..., T, d_head)
+                          dim=-1)                               # (..., T, d_k/2, 2)
+    return rotated.flatten(-2)                                  # (..., T, d_k)
