@@ -58,7 +58,8 @@ from transformer.training import (
 )
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'merge_children', 'SubwordDropout', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'merge_children', 'SubwordDropout', 'average_checkpoints',
+           'averaging_windows', 'final_evaluation']
 
 # %% ../../book/e_2_loop.ipynb #c030
 @dataclass
