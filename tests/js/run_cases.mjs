@@ -1,0 +1,34 @@
+// The Node half of tests/test_web_tokenizer.py: reads a JSON request, runs the translator's
+// JavaScript on it, writes the JSON answer to stdout. Python compares it with sentencepiece and
+// transformer/decoding.py.
+//   node tests/js/run_cases.mjs tokenize request.json   {tokenizer, texts, decode} -> {ids, pieces, decoded}
+//   node tests/js/run_cases.mjs rules request.json      {rules: [[from, to], ...]} -> {wrong: [[from, to, got], ...]}
+//   node tests/js/run_cases.mjs search request.json     {cases: [{src, beamSize, alpha, extraLen}]} -> {results}
+import fs from 'node:fs';
+import { normalizeRule } from '../../book/_static/translator/normalizer.js';
+import { beamSearch, greedySearch } from '../../book/_static/translator/search.js';
+import { Tokenizer } from '../../book/_static/translator/tokenizer.js';
+import { BOS, EOS, PAD, fakeStep } from './fake_model.mjs';
+
+const [mode, file] = process.argv.slice(2);
+const request = JSON.parse(fs.readFileSync(file, 'utf8'));
+let answer;
+if (mode === 'tokenize') {
+  const tokenizer = new Tokenizer(JSON.parse(fs.readFileSync(request.tokenizer, 'utf8')));
+  answer = {
+    ids: request.texts.map((text) => tokenizer.encode(text)),
+    pieces: request.texts.map((text) => tokenizer.encodeAsPieces(text)),
+    decoded: request.decode.map((ids) => tokenizer.decode(ids)),
+  };
+} else if (mode === 'rules') {
+  answer = { wrong: request.rules.map(([from, to]) => [from, to, normalizeRule(from, request.name)]).filter(([, to, got]) => to !== got) };
+} else if (mode === 'search') {
+  answer = { results: [] };
+  for (const { src, beamSize, alpha, extraLen } of request.cases) {
+    const options = { srcLength: src.length, bos: BOS, eos: EOS, pad: PAD, extraLen, alpha, beamSize };
+    answer.results.push(beamSize === 1 ? await greedySearch(fakeStep(src), options) : await beamSearch(fakeStep(src), options));
+  }
+} else {
+  throw new Error(`mode ${JSON.stringify(mode)}: expected tokenize, rules or search`);
+}
+process.stdout.write(JSON.stringify(answer));
