@@ -29,12 +29,12 @@ LAYERS = [
     # after 2017 (chapters 14-19.1)
     "modern", "modern.rope", "modern.gqa", "modern.flash", "modern.rmsnorm_swiglu", "modern.moe",
     "modern.llama", "modern.gpt",
-    # the engine (appendices D, E, F; chapter 8.1's loop)
+    # the engine (appendices D, E, F; E.2: the loop)
     "engine", "engine.fast", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
     # figures (appendix B)
     "figures", "figures.viz", "figures.plots",
     # the command line (appendices C, D)
-    "cli", "cli.commands", "cli.train", "cli.use", "cli.sweep", "cli.measure", "cli.bench",
+    "cli", "cli.web", "cli.commands", "cli.train", "cli.use", "cli.sweep", "cli.measure", "cli.bench",
 ]
 TOP = {"", "__main__"}          # transformer/__init__.py and transformer/__main__.py: may import anything
 IGNORED = {"_modidx"}           # nbdev's index of names (generated, imports nothing of the package)

@@ -15,5 +15,5 @@ from .blocks import Decoder, DecoderLayer, Encoder, EncoderLayer, FeedForward   
 from .masking import causal_mask, decoder_mask, padding_mask, teacher_forcing       # 07
 from .model import PRESETS, Transformer, TransformerConfig                          # 07
 from .training import TrainConfig                                                   # 08
-from .engine.loop import TrainResult, train                                                # 08.1
+from .engine.loop import TrainResult, train                                                # E.2 the loop
 from .engine.trained import TrainedModel, load                                             # E.1 a trained model

@@ -192,7 +192,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
     """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same
     batches) in one process: `repeats` rounds, each one training pass over the batches
     and one greedy decode per model, in alternating order (both re-run the decoder on
-    the whole prefix; ours is also timed with chapter 8's key/value cache, which
+    the whole prefix; ours is also timed with chapter 9's key/value cache, which
     `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
     uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units
     (`cpu_has_bf16_units`), float32 on other CPUs. `threads` sets
@@ -368,7 +368,7 @@ def _out_problem(path: Path) -> str | None:
 
 
 def _write_json(path: Path, result: dict) -> None:
-    "Write `result` to `path` all or nothing (chapter 8's `atomic_write`)."
+    "Write `result` to `path` all or nothing (appendix E's `atomic_write`)."
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, lambda f: f.write(json.dumps(result, indent=1) + "\n"), mode="w")
 
