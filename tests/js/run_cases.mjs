@@ -2,10 +2,10 @@
 // JavaScript on it, writes the JSON answer to stdout. Python compares it with sentencepiece and
 // transformer/decoding.py.
 //   node tests/js/run_cases.mjs tokenize request.json   {tokenizer, texts, decode} -> {ids, pieces, decoded}
-//   node tests/js/run_cases.mjs rules request.json      {rules: [[from, to], ...]} -> {wrong: [[from, to, got], ...]}
+//   node tests/js/run_cases.mjs rules request.json      {name, charsmap?, rules: [[from, to], ...]} -> {wrong: [[from, to, got]]}
 //   node tests/js/run_cases.mjs search request.json     {cases: [{src, beamSize, alpha, extraLen}]} -> {results}
 import fs from 'node:fs';
-import { normalizeRule } from '../../book/_static/translator/normalizer.js';
+import { CharsMap, normalizeRule } from '../../book/_static/translator/normalizer.js';
 import { beamSearch, greedySearch } from '../../book/_static/translator/search.js';
 import { Tokenizer } from '../../book/_static/translator/tokenizer.js';
 import { BOS, EOS, PAD, fakeStep } from './fake_model.mjs';
@@ -21,7 +21,9 @@ if (mode === 'tokenize') {
     decoded: request.decode.map((ids) => tokenizer.decode(ids)),
   };
 } else if (mode === 'rules') {
-  answer = { wrong: request.rules.map(([from, to]) => [from, to, normalizeRule(from, request.name)]).filter(([, to, got]) => to !== got) };
+  const table = request.charsmap ? CharsMap.fromBase64(request.charsmap) : null;
+  const apply = (text) => (table ? table.apply(text) : normalizeRule(text, request.name));
+  answer = { wrong: request.rules.map(([from, to]) => [from, to, apply(from)]).filter(([, to, got]) => to !== got) };
 } else if (mode === 'search') {
   answer = { results: [] };
   for (const { src, beamSize, alpha, extraLen } of request.cases) {

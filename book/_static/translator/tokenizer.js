@@ -2,7 +2,7 @@
 // (written from book/model/tokenizer.model by the web export). Runs in Node 20 and in a browser.
 // The steps and their sources in sentencepiece: normalizer.cc (Normalize), bpe_model.cc (Encode),
 // sentencepiece_processor.cc (runs of unknown pieces merged; Decode).
-import { normalize } from './normalizer.js';
+import { CharsMap, normalize } from './normalizer.js';
 
 export const FORMAT = 'transformer-book/sentencepiece-bpe/1';
 const NORMAL = 1, UNKNOWN = 2, CONTROL = 3, USER_DEFINED = 4, UNUSED = 5, BYTE = 6;
@@ -28,6 +28,9 @@ export class Tokenizer {
     this.eosId = spec.eos_id;
     this.padId = spec.pad_id;
     this.normalizer = spec.normalizer;
+    // the model's compiled rule table when tokenizer.json carries it (base64): exact normalization
+    const table = spec.normalizer.precompiled_charsmap;
+    this.charsMap = table ? CharsMap.fromBase64(table) : null;
     // pieces that merges may form (sentencepiece's pieces_: normal and unused), with their scores
     this.merges = new Map();
     // the id of every piece (control and unknown ones too, as PieceToId)
@@ -49,7 +52,7 @@ export class Tokenizer {
   /** The normalized text sentencepiece segments: "▁"-escaped, with the dummy prefix. */
   normalize(text) {
     if (typeof text !== 'string') throw new TypeError(`text must be a string, got ${typeof text}`);
-    return normalize(text, this.normalizer);
+    return normalize(text, this.normalizer, this.charsMap);
   }
 
   /** The pieces of `text` (strings), runs of unknown characters kept as one piece. */
