@@ -3,19 +3,25 @@
 # %% ../../book/i_web.ipynb #w002
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..engine.trained import load
-from ..tokens import Tokenizer
+from ..data import UserError, sha256_file
+from ..engine.trained import load, run_alpha
+from ..masking import causal_mask
+from ..tokens import Tokenizer, pad_batch
 
 # %% auto #0
-__all__ = ['TOKENIZER_FORMAT', 'NORMAL', 'UNKNOWN', 'CONTROL', 'USER_DEFINED', 'UNUSED', 'BYTE', 'tokenizer_json', 'write_json']
+__all__ = ['TOKENIZER_FORMAT', 'NORMAL', 'UNKNOWN', 'CONTROL', 'USER_DEFINED', 'UNUSED', 'BYTE', 'WEB_MAX_LEN', 'EXTRA_LEN',
+           'OPSET', 'EMBEDDING_FILE', 'WEB_FORMAT', 'tokenizer_json', 'write_json', 'RecordWeights', 'WebEncoder',
+           'WebDecoder', 'export_graphs', 'quantize_int8', 'export_web', 'WebModel']
 
 # %% ../../book/i_web.ipynb #w005
 TOKENIZER_FORMAT = "transformer-book/sentencepiece-bpe/1"
@@ -58,3 +64,262 @@ def write_json(path: Path, obj) -> None:
     "`obj` as compact UTF-8 JSON (pieces unescaped), one trailing newline."
     Path(path).write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n",
                           encoding="utf-8")
+
+# %% ../../book/i_web.ipynb #w011
+WEB_MAX_LEN = 256     # positions the web graphs keep: source, and target prefix (output limit S + 50)
+EXTRA_LEN = 50        # as chapter 9's translate: an output may have source length + 50 pieces
+
+
+class RecordWeights(nn.Module):
+    ("A `MultiHeadAttention` that always computes its weights (chapter 3's teaching path) "
+     "and keeps the last ones in `weights` (B, h, T_q, T_k).")
+
+    def __init__(self, attention: nn.Module):
+        super().__init__()
+        self.attention, self.weights = attention, None
+
+    def forward(self, query, key, value, mask=None, need_weights=False, is_causal=False,
+                cache=None):
+        out, self.weights = self.attention(query, key, value, mask, need_weights=True,
+                                           is_causal=is_causal, cache=cache)
+        return out, self.weights
+
+
+def _web_copy(model: nn.Module, max_len: int) -> nn.Module:
+    "A float32, eval-mode copy of `model` with its positional table cut to `max_len` rows."
+    model = copy.deepcopy(model).float().eval()
+    model.pos.pe = model.pos.pe[:max_len].clone()
+    return model
+
+
+class WebEncoder(nn.Module):
+    "src ids (B, S) -> memory (B, S, d_model); the padding mask comes from `src == pad`."
+
+    def __init__(self, model: nn.Module, max_len: int = WEB_MAX_LEN):
+        super().__init__()
+        self.model = _web_copy(model, max_len)
+
+    def forward(self, src: torch.Tensor) -> torch.Tensor:
+        m = self.model
+        src_mask = (src != m.config.pad_id)[:, None, None, :]               # (B, 1, 1, S)
+        return m.encoder(m.pos(m.src_embed(src)), src_mask)                 # (B, S, d_model)
+
+
+class WebDecoder(nn.Module):
+    """tgt prefix (B, T), memory (B, S, d_model), src ids (B, S) -> log-probabilities of
+    the next piece (B, V) and the cross-attention weights at the last position of every
+    layer and head (n_layers, B, h, S)."""
+
+    def __init__(self, model: nn.Module, max_len: int = WEB_MAX_LEN):
+        super().__init__()
+        self.model = _web_copy(model, max_len)
+        for layer in self.model.decoder.layers:
+            layer.cross_attn = RecordWeights(layer.cross_attn)
+
+    def forward(self, tgt: torch.Tensor, memory: torch.Tensor, src: torch.Tensor):
+        m = self.model
+        src_mask = (src != m.config.pad_id)[:, None, None, :]               # (B, 1, 1, S)
+        tgt_mask = causal_mask(tgt.size(1), device=tgt.device)              # (1, 1, T, T)
+        hidden = m.decoder(m.pos(m.tgt_embed(tgt)), memory, tgt_mask, src_mask)  # (B, T, d)
+        log_probs = m.generator(hidden[:, -1]).log_softmax(-1)             # (B, V)
+        cross = torch.stack([layer.cross_attn.weights[:, :, -1]            # (B, h, S) each
+                             for layer in m.decoder.layers])                # (N, B, h, S)
+        return log_probs, cross
+
+# %% ../../book/i_web.ipynb #w013
+OPSET = 17
+
+
+def export_graphs(model: nn.Module, out_dir: str | os.PathLike,
+                  max_len: int = WEB_MAX_LEN) -> tuple[Path, Path]:
+    """`model` (a chapter 7.1 `Transformer`) as two float32 ONNX graphs in `out_dir`:
+    encoder.onnx (`src` -> `memory`) and decoder.onnx (`tgt`, `memory`, `src` ->
+    `log_probs`, `cross_attention`), every batch and length dimension dynamic."""
+    out_dir = Path(out_dir)
+    encoder, decoder = WebEncoder(model, max_len).eval(), WebDecoder(model, max_len).eval()
+    src = torch.tensor([[5, 6, 7, 3], [5, 6, 3, 0]])        # (B=2, S=4): one padded row
+    tgt = torch.tensor([[2, 8], [2, 9]])                     # (B=2, T=2)
+    B, S, T = "batch", "src_len", "tgt_len"
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
+        warnings.filterwarnings("ignore", message="Converting a tensor to a Python float")
+        memory = encoder(src)
+        torch.onnx.export(encoder, (src,), out_dir / "encoder.onnx", dynamo=False,
+                          opset_version=OPSET, input_names=["src"], output_names=["memory"],
+                          dynamic_axes={"src": {0: B, 1: S}, "memory": {0: B, 1: S}})
+        torch.onnx.export(decoder, (tgt, memory, src), out_dir / "decoder.onnx", dynamo=False,
+                          opset_version=OPSET, input_names=["tgt", "memory", "src"],
+                          output_names=["log_probs", "cross_attention"],
+                          dynamic_axes={"tgt": {0: B, 1: T}, "memory": {0: B, 1: S},
+                                        "src": {0: B, 1: S}, "log_probs": {0: B},
+                                        "cross_attention": {1: B, 3: S}})
+    return out_dir / "encoder.onnx", out_dir / "decoder.onnx"
+
+# %% ../../book/i_web.ipynb #w021
+EMBEDDING_FILE = "embedding.int8"   # the tied embedding, int8, shared by both graphs
+
+
+def quantize_int8(path: str | os.PathLike, vocab_size: int, d_model: int) -> bytes:
+    """Rewrite the ONNX graph at `path` with weight-only int8: each float matrix becomes
+    int8 + a per-output-channel scale + `DequantizeLinear`. The embedding (vocab_size,
+    d_model) goes to the external file `EMBEDDING_FILE` beside it (its bytes are
+    returned); a `MatMul` weight (in, out) is scaled per column, the embedding per row."""
+    import numpy as np
+    import onnx
+    from onnx import external_data_helper, helper, numpy_helper
+    path = Path(path)
+    proto = onnx.load(str(path))
+    graph, nodes, embedding = proto.graph, [], None
+    for init in list(graph.initializer):
+        w = numpy_helper.to_array(init)
+        if w.dtype != np.float32 or w.ndim != 2:
+            continue
+        axis = 0 if tuple(w.shape) == (vocab_size, d_model) else 1     # the channel axis
+        amax = np.abs(w).max(axis=1 - axis)
+        scale = np.where(amax > 0, amax / 127, 1).astype(np.float32)
+        q = np.clip(np.rint(w / np.expand_dims(scale, 1 - axis)), -127, 127).astype(np.int8)
+        q_init = numpy_helper.from_array(q, f"{init.name}.int8")
+        if axis == 0:
+            if embedding is not None:
+                raise ValueError(f"{path}: two initializers of shape {w.shape}")
+            embedding = q.tobytes()
+            external_data_helper.set_external_data(q_init, EMBEDDING_FILE, 0, len(embedding))
+            q_init.ClearField("raw_data")
+            q_init.data_location = onnx.TensorProto.EXTERNAL
+        graph.initializer.remove(init)
+        graph.initializer.extend([q_init, numpy_helper.from_array(scale, f"{init.name}.scale")])
+        nodes.append(helper.make_node("DequantizeLinear", [q_init.name, f"{init.name}.scale"],
+                                      [init.name], name=f"{init.name}.dequantize", axis=axis))
+    if embedding is None:
+        raise ValueError(f"{path} holds no ({vocab_size}, {d_model}) embedding")
+    for i, node in enumerate(nodes):                 # topological order: the weights first
+        graph.node.insert(i, node)
+    (path.parent / EMBEDDING_FILE).write_bytes(embedding)
+    onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path))
+    return embedding
+
+# %% ../../book/i_web.ipynb #w031
+WEB_FORMAT = "transformer-book/web/1"
+
+
+def _missing_onnx() -> str | None:
+    "Why the web export cannot run here (onnx or onnxruntime missing), or None."
+    import importlib.util
+    missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+    return (f"{' and '.join(missing)} not installed: pip install 'transformer-book[web]'"
+            if missing else None)
+
+
+def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
+               precision: str = "int8") -> dict:
+    """Write a model directory (or run) as the files a web page runs: encoder.onnx,
+    decoder.onnx (and, for int8, the shared `EMBEDDING_FILE`), tokenizer.json and
+    config.json; returns the config. `precision`: "int8" (weight-only, what the book ships)
+    or "float32"."""
+    if precision not in ("int8", "float32"):
+        raise ValueError(f"precision={precision!r} is not 'int8' or 'float32'")
+    if why := _missing_onnx():
+        raise UserError(f"export --web needs onnx and onnxruntime: {why}")
+    trained = load(model_dir)
+    model, tokenizer, c = trained.model, trained.tokenizer, trained.model.config
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in ("encoder.onnx", "decoder.onnx", EMBEDDING_FILE):
+        (out_dir / old).unlink(missing_ok=True)
+    files = [p.name for p in export_graphs(model, out_dir)]
+    if precision == "int8":
+        shared = [quantize_int8(out_dir / f, c.tgt_vocab, c.d_model) for f in files]
+        assert shared[0] == shared[1], "the graphs' embeddings differ"
+        files.append(EMBEDDING_FILE)
+    write_json(out_dir / "tokenizer.json", tokenizer_json(tokenizer))
+    files.append("tokenizer.json")
+    results = json.loads((Path(model_dir) / "results.json").read_text()) \
+        if (Path(model_dir) / "results.json").is_file() else {}
+    shipped = results.get("source_results", results)
+    config = {
+        "format": WEB_FORMAT, "precision": precision,
+        "encoder": "encoder.onnx", "decoder": "decoder.onnx", "tokenizer": "tokenizer.json",
+        "external_data": [EMBEDDING_FILE] if precision == "int8" else [],
+        "vocab_size": c.tgt_vocab, "d_model": c.d_model, "n_layers": c.n_layers, "h": c.h,
+        "pad_id": c.pad_id, "unk_id": tokenizer.sp.unk_id(), "bos_id": tokenizer.sp.bos_id(),
+        "eos_id": tokenizer.sp.eos_id(),
+        "source": "the pieces' ids, then eos_id (no bos_id); rows padded with pad_id",
+        "target": "starts with bos_id; stops at eos_id or after max(1, min(source length "
+                  "+ extra_len, max_len - 1)) pieces",
+        "max_len": WEB_MAX_LEN, "extra_len": EXTRA_LEN,
+        "beam_size": int(shipped.get("beam", 4)), "alpha": run_alpha(model_dir),
+        "length_penalty": "((5 + length) / 6) ** alpha (chapter 9)",
+        "inputs": {"encoder": {"src": ["batch", "src_len", "int64"]},
+                   "decoder": {"tgt": ["batch", "tgt_len", "int64"],
+                               "memory": ["batch", "src_len", c.d_model, "float32"],
+                               "src": ["batch", "src_len", "int64"]}},
+        "outputs": {"encoder": {"memory": ["batch", "src_len", c.d_model, "float32"]},
+                    "decoder": {"log_probs": ["batch", c.tgt_vocab, "float32"],
+                                "cross_attention": [c.n_layers, "batch", c.h, "src_len",
+                                                    "float32"]}},
+        "weights_sha256": sha256_file(trained.path),
+        "sha256": {f: sha256_file(out_dir / f) for f in files},
+    }
+    write_json(out_dir / "config.json", config)
+    return config
+
+# %% ../../book/i_web.ipynb #w033
+class WebModel:
+    "The graphs of an `export_web` directory, run with onnxruntime on the CPU."
+
+    def __init__(self, web_dir: str | os.PathLike, threads: int = 1):
+        import onnxruntime as ort
+        web_dir = Path(web_dir)
+        self.config = json.loads((web_dir / "config.json").read_text())
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = options.inter_op_num_threads = threads
+        self.encoder, self.decoder = (
+            ort.InferenceSession(str(web_dir / self.config[k]), options,
+                                 providers=["CPUExecutionProvider"])
+            for k in ("encoder", "decoder"))
+
+    def encode(self, src):
+        "src ids (B, S), int64 -> memory (B, S, d_model)."
+        return self.encoder.run(None, {"src": src})[0]
+
+    def step(self, tgt, memory, src):
+        "-> log_probs (B, V), cross_attention (n_layers, B, h, S) at the last position."
+        log_probs, cross = self.decoder.run(None, {"tgt": tgt, "memory": memory, "src": src})
+        return log_probs, cross
+
+    def greedy(self, src) -> list[list[int]]:
+        "Greedy decoding of src ids (B, S) -> B lists of ids (no BOS, no EOS)."
+        import numpy as np
+        c = self.config
+        src = np.asarray(src, dtype=np.int64)
+        limit = np.maximum(1, np.minimum((src != c["pad_id"]).sum(1) + c["extra_len"],
+                                         c["max_len"] - 1))                    # (B,)
+        memory = self.encode(src)
+        ys = np.full((len(src), 1), c["bos_id"], dtype=np.int64)             # (B, 1)
+        done = np.zeros(len(src), dtype=bool)
+        for t in range(int(limit.max())):
+            next_id = self.step(ys, memory, src)[0].argmax(-1)               # (B,)
+            next_id = np.where(done, c["pad_id"], next_id)
+            ys = np.concatenate([ys, next_id[:, None]], axis=1)              # (B, t+2)
+            done |= (next_id == c["eos_id"]) | (t + 1 >= limit)
+            if done.all():
+                break
+        out = []
+        for row in ys[:, 1:].tolist():
+            row = row[:row.index(c["eos_id"])] if c["eos_id"] in row else row
+            out.append([i for i in row if i != c["pad_id"]])
+        return out
+
+    def translate(self, tokenizer: Tokenizer, texts: list[str],
+                  batch_size: int = 64) -> list[str]:
+        "Greedy translations of `texts`, in batches of similar length (as chapter 9's)."
+        ids = tokenizer.encode_batch(list(texts), eos=True)
+        order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+        out = [""] * len(ids)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            src, _ = pad_batch([ids[i] for i in chunk], pad_id=self.config["pad_id"])
+            for i, h in zip(chunk, self.greedy(src.numpy())):
+                out[i] = tokenizer.decode(h)
+        return out
