@@ -4,10 +4,13 @@
 //   node tests/js/run_cases.mjs tokenize request.json   {tokenizer, texts, decode} -> {ids, pieces, decoded}
 //   node tests/js/run_cases.mjs rules request.json      {name, charsmap?, rules: [[from, to], ...]} -> {wrong: [[from, to, got]]}
 //   node tests/js/run_cases.mjs search request.json     {cases: [{src, beamSize, alpha, extraLen}]} -> {results}
+//   node tests/js/run_cases.mjs onnx request.json       {web, texts, beamSize, trace} -> {results: [{text, ids, srcIds}], traces}
+//     (onnxruntime-node from tests/js/node_modules: npm ci --prefix tests/js)
 import fs from 'node:fs';
 import { CharsMap, normalizeRule } from '../../book/_static/translator/normalizer.js';
 import { beamSearch, greedySearch } from '../../book/_static/translator/search.js';
 import { Tokenizer } from '../../book/_static/translator/tokenizer.js';
+import { Translator } from '../../book/_static/translator/translator.js';
 import { BOS, EOS, PAD, fakeStep } from './fake_model.mjs';
 
 const [mode, file] = process.argv.slice(2);
@@ -30,7 +33,20 @@ if (mode === 'tokenize') {
     const options = { srcLength: src.length, bos: BOS, eos: EOS, pad: PAD, extraLen, alpha, beamSize };
     answer.results.push(beamSize === 1 ? await greedySearch(fakeStep(src), options) : await beamSearch(fakeStep(src), options));
   }
+} else if (mode === 'onnx') {
+  const { default: ort } = await import('onnxruntime-node');
+  const read = (name) => JSON.parse(fs.readFileSync(`${request.web}/${name}`, 'utf8'));
+  const config = read('config.json');
+  const translator = await Translator.create(ort, {
+    config, tokenizer: read(config.tokenizer), encoder: `${request.web}/${config.encoder}`, decoder: `${request.web}/${config.decoder}`,
+  }, { intraOpNumThreads: 1, interOpNumThreads: 1 });
+  answer = { results: [], traces: [] };
+  for (const text of request.texts) {
+    const out = await translator.translate(text, { beamSize: request.beamSize });
+    answer.results.push(out);
+    if (request.trace) answer.traces.push(await translator.trace(out.srcIds, out.ids));
+  }
 } else {
-  throw new Error(`mode ${JSON.stringify(mode)}: expected tokenize, rules or search`);
+  throw new Error(`mode ${JSON.stringify(mode)}: expected tokenize, rules, search or onnx`);
 }
 process.stdout.write(JSON.stringify(answer));
