@@ -288,6 +288,11 @@ def _export_parser(sub) -> None:
                    help="which weights (default: what train picked on val)")
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
+    x.add_argument("--web", action="store_true",
+                   help="write the model for a web page instead (appendix I): "
+                        "encoder.onnx, decoder.onnx, embedding.int8, tokenizer.json, "
+                        "config.json, weight-only int8 (--no-half: float32 graphs); "
+                        "needs pip install 'transformer-book[web]'")
 
 
 

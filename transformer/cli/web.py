@@ -21,7 +21,7 @@ from ..tokens import Tokenizer, pad_batch
 # %% auto #0
 __all__ = ['TOKENIZER_FORMAT', 'NORMAL', 'UNKNOWN', 'CONTROL', 'USER_DEFINED', 'UNUSED', 'BYTE', 'WEB_MAX_LEN', 'EXTRA_LEN',
            'OPSET', 'EMBEDDING_FILE', 'WEB_FORMAT', 'tokenizer_json', 'write_json', 'RecordWeights', 'WebEncoder',
-           'WebDecoder', 'export_graphs', 'quantize_int8', 'export_web', 'WebModel']
+           'WebDecoder', 'export_graphs', 'quantize_int8', 'export_web', 'WebModel', 'cmd_export_web']
 
 # %% ../../book/i_web.ipynb #w005
 TOKENIZER_FORMAT = "transformer-book/sentencepiece-bpe/1"
@@ -143,6 +143,7 @@ def export_graphs(model: nn.Module, out_dir: str | os.PathLike,
     with torch.no_grad(), warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*legacy TorchScript-based ONNX export")
         warnings.filterwarnings("ignore", message="Converting a tensor to a Python float")
+        warnings.filterwarnings("ignore", message="The feature will be removed")  # its logging
         memory = encoder(src)
         torch.onnx.export(encoder, (src,), out_dir / "encoder.onnx", dynamo=False,
                           opset_version=OPSET, input_names=["src"], output_names=["memory"],
@@ -212,16 +213,16 @@ def _missing_onnx() -> str | None:
 
 
 def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
-               precision: str = "int8") -> dict:
+               precision: str = "int8", which: str = "chosen") -> dict:
     """Write a model directory (or run) as the files a web page runs: encoder.onnx,
     decoder.onnx (and, for int8, the shared `EMBEDDING_FILE`), tokenizer.json and
     config.json; returns the config. `precision`: "int8" (weight-only, what the book ships)
-    or "float32"."""
+    or "float32"; `which`: the checkpoint of a run directory (appendix E.1's `load`)."""
     if precision not in ("int8", "float32"):
         raise ValueError(f"precision={precision!r} is not 'int8' or 'float32'")
     if why := _missing_onnx():
         raise UserError(f"export --web needs onnx and onnxruntime: {why}")
-    trained = load(model_dir)
+    trained = load(model_dir, which)
     model, tokenizer, c = trained.model, trained.tokenizer, trained.model.config
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -323,3 +324,20 @@ class WebModel:
             for i, h in zip(chunk, self.greedy(src.numpy())):
                 out[i] = tokenizer.decode(h)
         return out
+
+# %% ../../book/i_web.ipynb #w035
+def cmd_export_web(args) -> int:
+    "`export --web`: the files a web page runs (`export_web`), in a new directory."
+    if why := _missing_onnx():
+        raise UserError(f"export --web: {why}")
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} exists and is not an empty directory; pass a "
+                        "new directory")
+    config = export_web(args.model, out, "int8" if args.half else "float32",
+                        args.checkpoint)
+    files = [*config["sha256"], "config.json"]
+    size = sum((out / f).stat().st_size for f in files)
+    print(f"wrote {out}: {', '.join(files)} ({config['precision']}, "
+          f"{size / 1e6:.1f} MB in all)")
+    return 0
