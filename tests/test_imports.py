@@ -30,7 +30,7 @@ LAYERS = [
     "modern", "modern.rope", "modern.gqa", "modern.flash", "modern.rmsnorm_swiglu", "modern.moe",
     "modern.llama", "modern.gpt",
     # the engine (appendices D, E, F; E.2: the loop)
-    "engine", "engine.fast", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
+    "engine", "engine.corpus", "engine.fast", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
     # figures (appendix B)
     "figures", "figures.viz", "figures.plots",
     # the command line (appendices C, D)

@@ -1,0 +1,204 @@
+"""Appendix A.1, a corpus prepared once: `prepare` + `ShardedCorpus` give chapter 8's `make_examples` ids
+for every pair, the batches from the lengths alone are `epoch_batches`' (and chapter 1's `token_batches'`),
+two processes' shares are disjoint and cover the epoch, and bad corpora are one-line errors."""
+import gzip
+import random
+
+import numpy as np
+import pytest
+
+from transformer.data import DataError, load_multi30k, multi30k_dir
+from transformer.engine.corpus import ShardedCorpus, length_batches, main, prepare, sample_texts
+from transformer.tokens import Tokenizer, token_batches
+from transformer.training import collate, epoch_batches, make_examples, my_pieces
+
+N = 2000                         # a slice of Multi30k's training set: the fast lane
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory, multi30k):
+    "The slice as a gzipped source file, a plain target file, both split in two plain files, and a tokenizer."
+    tmp = tmp_path_factory.mktemp("corpus")
+    pairs = load_multi30k("de", "en", "train")[:N]
+    with gzip.open(tmp / "src.de.gz", "wt", encoding="utf-8") as f:
+        f.writelines(s + "\n" for s, _ in pairs)
+    (tmp / "tgt.en").write_text("".join(t + "\n" for _, t in pairs))
+    (tmp / "tgt1.en").write_text("".join(t + "\n" for _, t in pairs[:N // 2]))
+    (tmp / "tgt2.en").write_text("".join(t + "\n" for _, t in pairs[N // 2:]))
+    (tmp / "src1.de").write_text("".join(s + "\n" for s, _ in pairs[:N // 2]))
+    (tmp / "src2.de").write_text("".join(s + "\n" for s, _ in pairs[N // 2:]))
+    tokenizer = Tokenizer.train([s for p in pairs for s in p], vocab_size=500)
+    return tmp, pairs, tokenizer
+
+
+@pytest.fixture(scope="module")
+def prepared(corpus_files):
+    tmp, pairs, tokenizer = corpus_files
+    out = prepare([tmp / "src1.de", tmp / "src2.de"], [tmp / "tgt1.en", tmp / "tgt2.en"], tmp / "out",
+                  tokenizer=tokenizer, shard_pairs=700, chunk_pairs=300, quiet=True)
+    return ShardedCorpus(out), make_examples(tokenizer, pairs)
+
+
+def test_every_pair_has_make_examples_ids(prepared):
+    corpus, examples = prepared
+    assert len(corpus) == len(examples) == N and len(corpus.index) == 3        # 700 + 700 + 600
+    assert [corpus.pair(i) for i in range(N)] == examples
+    assert corpus.dtype == np.uint16 and corpus[-1] == examples[-1]
+    assert corpus.src_lengths.tolist() == [len(s) for s, _ in examples]
+    src, tgt = collate(corpus, [5, 17, 3])
+    want = collate(examples, [5, 17, 3])
+    assert src.equal(want[0]) and tgt.equal(want[1])
+
+
+def test_gzipped_and_plain_files_give_the_same_corpus(corpus_files, prepared, tmp_path):
+    tmp, _, tokenizer = corpus_files
+    tokenizer.save(tmp_path / "tok.model")
+    other = ShardedCorpus(prepare(tmp / "src.de.gz", tmp / "tgt.en", tmp_path / "gz",
+                                  tokenizer=tmp_path / "tok.model", quiet=True))
+    corpus, _ = prepared
+    assert [other.pair(i) for i in range(0, N, 97)] == [corpus.pair(i) for i in range(0, N, 97)]
+    assert other.manifest["tokenizer"]["sha256"] == corpus.manifest["tokenizer"]["sha256"]
+
+
+@pytest.mark.parametrize("seed,epoch", [(0, 0), (1, 3)])
+@pytest.mark.parametrize("pieces", [1, 4])
+def test_batches_equal_epoch_batches(prepared, seed, epoch, pieces):
+    corpus, examples = prepared
+    want = epoch_batches(examples, 600, seed, epoch, pieces)
+    got = corpus.epoch_batches(600, seed, epoch, pieces)
+    assert len(want) > 10 and [[p.tolist() for p in step] for step in got] == want
+
+
+@pytest.mark.parametrize("options", [dict(shuffle=False), dict(max_sentences=7, seed=5),
+                                     dict(seed=2, rank=1, world_size=3), dict(seed=9, max_tokens=131)])
+def test_length_batches_equal_token_batches(prepared, options):
+    _, examples = prepared
+    src, tgt = [s for s, _ in examples], [t for _, t in examples]
+    options = {"max_tokens": 300, **options}
+    want = token_batches(src, tgt, **options)
+    got = length_batches([len(s) for s in src], [len(t) for t in tgt], **options)
+    assert [b.tolist() for b in got] == want
+
+
+def test_length_batches_refuse_what_token_batches_refuse():
+    for args in (([5, 90], [3, 4], 37), ([], [], 10), ([1], [1, 2], 10), ([1], [1], 0)):
+        with pytest.raises(ValueError) as want:
+            token_batches([[0] * n for n in args[0]], [[0] * n for n in args[1]], args[2])
+        with pytest.raises(ValueError) as got:
+            length_batches(*args)
+        assert str(got.value).split()[:2] == str(want.value).split()[:2]
+
+
+def test_two_ranks_share_the_epoch_disjointly(prepared):
+    corpus, _ = prepared
+    steps = corpus.epoch_batches(600, 0, 0, pieces=4)
+    shares = [[i for step in steps for p in my_pieces(step, rank, 2) for i in p.tolist()] for rank in (0, 1)]
+    every = [i for step in steps for p in step for i in p.tolist()]
+    assert not set(shares[0]) & set(shares[1])
+    assert sorted(shares[0] + shares[1]) == sorted(every) and len(set(every)) == len(every) > 0.95 * N
+
+
+def test_the_sample_is_chapter_10_1s_text_when_the_corpus_is_smaller():
+    pairs = [(f"s{i}", f"t{i}") for i in range(10)]
+    assert sample_texts(pairs, 100) == [x for p in pairs for x in p]
+    sample = sample_texts(((f"s{i}", f"t{i}") for i in range(10_000)), 50, seed=1)
+    assert len(sample) == 50 == len(set(sample)) and sample == sample_texts(
+        ((f"s{i}", f"t{i}") for i in range(10_000)), 50, seed=1)
+    assert max(int(x[1:]) for x in sample) > 1000                   # not the first 50
+
+
+def test_prepare_trains_chapter_10_1s_tokenizer_on_a_small_corpus(corpus_files, tmp_path):
+    tmp, pairs, _ = corpus_files
+    corpus = ShardedCorpus(prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path, vocab_size=300, quiet=True))
+    assert corpus.tokenizer == Tokenizer.train([s for p in pairs[:N // 2] for s in p], vocab_size=300)
+    assert corpus.manifest["tokenizer"]["trained_on"] == "sample"
+
+
+def test_pairs_with_an_empty_side_are_skipped_as_in_appendix_a(tmp_path, corpus_files):
+    _, _, tokenizer = corpus_files
+    (tmp_path / "a").write_text("Ein Hund.\n\nZwei Katzen.\n")
+    (tmp_path / "b").write_text("A dog.\nNothing.\nTwo cats.")            # no final newline
+    with pytest.warns(UserWarning, match="skipped 1 of 3 pairs"):
+        corpus = ShardedCorpus(prepare(tmp_path / "a", tmp_path / "b", tmp_path / "out",
+                                       tokenizer=tokenizer, quiet=True))
+    assert [corpus.pair(i) for i in range(len(corpus))] == make_examples(
+        tokenizer, [("Ein Hund.", "A dog."), ("Zwei Katzen.", "Two cats.")])
+
+
+def one_line(e) -> str:
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+def test_misaligned_files_are_refused_by_name(corpus_files, tmp_path):
+    tmp, pairs, tokenizer = corpus_files
+    (tmp_path / "short.de").write_text("".join(s + "\n" for s, _ in pairs[:N // 2 - 1]))
+    with pytest.raises(DataError) as e:
+        prepare([tmp / "src1.de", tmp_path / "short.de"], [tmp / "tgt1.en", tmp / "tgt2.en"],
+                tmp_path / "out", tokenizer=tokenizer)
+    assert one_line(e) == (f"line counts differ: {tmp_path / 'short.de'} has {N // 2 - 1} lines, "
+                           f"{tmp / 'tgt2.en'} has {N // 2} lines; line i of one file must translate "
+                           "line i of the other")
+    with pytest.raises(DataError, match="2 source files but 1 target files"):
+        prepare([tmp / "src1.de", tmp / "src2.de"], [tmp / "tgt1.en"], tmp_path / "out")
+    with pytest.raises(DataError, match="no such file"):
+        prepare([tmp_path / "missing.de"], [tmp / "tgt1.en"], tmp_path / "out")
+    (tmp_path / "fake.gz").write_text("not gzip\n")
+    with pytest.raises(DataError, match="not a gzip file"):
+        prepare([tmp_path / "fake.gz"], [tmp / "tgt1.en"], tmp_path / "out")
+    with pytest.raises(ValueError, match="vocab_size=0"):
+        prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "out", vocab_size=0)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "alter", "delete", "manifest"])
+def test_a_damaged_corpus_is_one_line_naming_the_file(corpus_files, tmp_path, damage):
+    tmp, _, tokenizer = corpus_files
+    out = prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "c", tokenizer=tokenizer, quiet=True)
+    shard = out / "src-00000.npy"
+    data = bytearray(shard.read_bytes())
+    if damage == "truncate":
+        shard.write_bytes(data[:-2])
+    elif damage == "alter":
+        data[-1] ^= 1
+        shard.write_bytes(bytes(data))
+    elif damage == "delete":
+        shard.unlink()
+    else:
+        (out / "manifest.json").write_text("{")
+    with pytest.raises(DataError) as e:
+        ShardedCorpus(out)
+    message = one_line(e)
+    assert str(out / ("manifest.json" if damage == "manifest" else "src-00000.npy")) in message
+    assert "re-run prepare" in message
+    if damage == "alter":
+        assert len(ShardedCorpus(out, verify=False)) == N // 2       # sizes only: the change is not seen
+    with pytest.raises(DataError, match="no such file; run prepare"):
+        ShardedCorpus(tmp_path / "nothing")
+
+
+def test_the_command(corpus_files, tmp_path, capsys):
+    tmp, _, tokenizer = corpus_files
+    tokenizer.save(tmp_path / "tok.model")
+    assert main(["--src-files", str(tmp / "src1.de"), "--tgt-files", str(tmp / "tgt1.en"),
+                 "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok.model"), "--quiet"]) == 0
+    assert capsys.readouterr().out.startswith(f"{N // 2:,} pairs in 1 shard, vocabulary 500 (uint16)")
+    assert main(["--src-files", str(tmp / "src1.de"), "--tgt-files", str(tmp / "src.de.gz"),
+                 "--out", str(tmp_path / "bad")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: line counts differ") and "src.de.gz" in err
+
+
+@pytest.mark.slow
+def test_all_of_multi30k_train(multi30k, tmp_path):
+    "The whole training set: every pair and the batches of two seeds (seconds; the notebook shows it too)."
+    d = multi30k_dir()
+    pairs = load_multi30k("de", "en", "train")
+    tokenizer = Tokenizer.train([s for p in random.Random(0).sample(pairs, 3000) for s in p], vocab_size=2000)
+    corpus = ShardedCorpus(prepare([d / "train.de.gz"], [d / "train.en.gz"], tmp_path, tokenizer=tokenizer,
+                                   shard_pairs=8000, quiet=True))
+    examples = make_examples(tokenizer, pairs)
+    assert [corpus.pair(i) for i in range(len(corpus))] == examples
+    for seed, pieces in ((0, 1), (4, 4)):
+        assert [[p.tolist() for p in s] for s in corpus.epoch_batches(4000, seed, 2, pieces)] == \
+            epoch_batches(examples, 4000, seed, 2, pieces)
