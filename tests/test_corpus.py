@@ -189,6 +189,19 @@ def test_the_command(corpus_files, tmp_path, capsys):
     assert err.count("\n") == 1 and err.startswith("error: line counts differ") and "src.de.gz" in err
 
 
+def test_python_m_transformer_prepare_runs_the_command(corpus_files, tmp_path, capsys):
+    "`python -m transformer prepare ...` reaches `main` (transformer/__main__.py hands it over)."
+    from transformer.__main__ import main as cli
+    tmp, _, tokenizer = corpus_files
+    tokenizer.save(tmp_path / "tok.model")
+    assert cli(["prepare", "--src-files", str(tmp / "src2.de"), "--tgt-files", str(tmp / "tgt2.en"),
+                "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok.model"), "--quiet"]) == 0
+    assert (tmp_path / "out" / "manifest.json").exists() and len(ShardedCorpus(tmp_path / "out")) == N // 2
+    assert cli(["prepare", "--src-files", str(tmp_path / "missing.de"), "--tgt-files", str(tmp / "tgt2.en"),
+                "--out", str(tmp_path / "bad")]) == 1
+    assert capsys.readouterr().err.startswith("error: ")
+
+
 @pytest.mark.slow
 def test_all_of_multi30k_train(multi30k, tmp_path):
     "The whole training set: every pair and the batches of two seeds (seconds; the notebook shows it too)."

@@ -1,11 +1,11 @@
-"""`python -m transformer train|translate|evaluate|export|plot|attend|bench|sweep`.
+"""`python -m transformer train|translate|evaluate|export|plot|attend|bench|sweep|prepare`.
 
 Hand-written, the top of the package: the one module that imports every command. `train` is
 `transformer.cli.train` (appendix C.1); translate, evaluate, export, plot and attend are
 `transformer.cli.use` (C.2); both run through `transformer.cli.commands.run_command` (appendix C),
 which parses the line and turns every error into one line. `bench` (`transformer.cli.bench`,
-appendix D) and `sweep` (`transformer.cli.sweep`, C.3) have parsers of their own and are handed
-over before it runs.
+appendix D), `sweep` (`transformer.cli.sweep`, C.3) and `prepare` (`transformer.engine.corpus`,
+A.1) have parsers of their own and are handed over before it runs.
 """
 import sys
 
@@ -16,7 +16,7 @@ from transformer.cli.commands import report, run_command
 def main(argv: list[str] | None = None) -> int:
     "Run `python -m transformer <command> ...`; returns the exit code."
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] not in (["bench"], ["sweep"]):
+    if argv[:1] not in (["bench"], ["sweep"], ["prepare"]):
         # looked up at each call, so that a test may replace a command
         return run_command(argv, {"train": train.cmd_train, "translate": use.cmd_translate,
                                   "evaluate": use.cmd_evaluate, "export": use.cmd_export,
@@ -24,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if argv[0] == "bench":
             from transformer.cli.bench import main as command
+        elif argv[0] == "prepare":
+            from transformer.engine.corpus import main as command
         else:
             from transformer.cli.sweep import main as command
         return command(argv[1:])
