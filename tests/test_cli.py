@@ -772,7 +772,7 @@ def test_the_shipped_model_translates_on_a_fresh_clone():
     info = json.loads((model_dir / "results.json").read_text())
     assert sorted(p.name for p in model_dir.iterdir()) == ["README.md", "config.json", "model.safetensors",
                                                            "results.json", "test_2016_flickr.beam4.en",
-                                                           "tokenizer.model"]
+                                                           "tokenizer.model", "web"]
     assert info["weights_sha256"] == sha256_file(model_dir / "model.safetensors")
     assert info["tokenizer_sha256"] == sha256_file(model_dir / "tokenizer.model")
     tensors, meta = _safetensors(model_dir / "model.safetensors")

@@ -14,7 +14,6 @@ import pytest
 import torch
 
 from transformer.cli import web
-from transformer.cli.commands import run_command
 from transformer.engine.trained import load
 from transformer.masking import causal_mask, padding_mask
 from transformer.model import Transformer, TransformerConfig
@@ -174,8 +173,9 @@ def test_quantize_int8_shares_one_embedding_and_shrinks_the_graphs(tiny_model, t
 # --- the command -------------------------------------------------------------------------------------------
 
 def export(*argv, capsys):
-    "`export --web ...` through appendix C's parser and error report, with `cmd_export_web`."
-    code = run_command(["export", *map(str, argv)], {"export": web.cmd_export_web})
+    "`python -m transformer export --web ...`: the command table, `cmd_export`'s dispatch to `cmd_export_web`."
+    from transformer.__main__ import main
+    code = main(["export", *map(str, argv)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -211,6 +211,8 @@ def test_export_web_writes_the_shipped_files(tmp_path, capsys):
     assert "int8" in out and "MB in all" in out
     assert json.loads((tmp_path / "web" / "config.json").read_text()) == \
         json.loads((WEB / "config.json").read_text())
+    for name in ("encoder.onnx", "decoder.onnx", "embedding.int8", "tokenizer.json", "config.json"):
+        assert (tmp_path / "web" / name).read_bytes() == (WEB / name).read_bytes(), name   # byte for byte
 
 
 @pytest.mark.slow

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from . import web  # appendix I: export --web
 from .commands import CLIError, load_pairs, pick_device
 from ..data import read_parallel
 from ..decoding import translate
@@ -146,7 +147,10 @@ def cmd_export(args) -> int:
     (appendix E.1's `TrainedModel.export`): model.safetensors in half precision
     (`--half`, the default; the same translations up to rounding), tokenizer.model,
     config.json, results.json (the source run, its scores, the weights' sha256) and a
-    model card, README.md. `translate`, `evaluate` and `attend` read it like a run."""
+    model card, README.md. `translate`, `evaluate` and `attend` read it like a run.
+    `--web`: the two ONNX graphs and the tokenizer a web page runs (appendix I)."""
+    if getattr(args, "web", False):
+        return web.cmd_export_web(args)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
