@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 
 BOOK = Path(__file__).resolve().parents[1] / "book"
-EXERCISED = ["00_why_attention", "01_tokens", "02_attention", "03_scaling", "04_heads", "05_positions", "06_blocks",
-             "07_masking", "07_1_model", "08_training",
+EXERCISED = ["00_why_attention", "01_tokens", "02_attention", "03_scaling", "04_heads",
+             "05_positions", "06_blocks", "07_masking", "07_1_model", "08_training",
              "09_decoding", "10_evaluation", "10_1_multi30k",
-             "11_traced"]
+             "11_traced", "12_results"]
 
 
 def cells(stem):
