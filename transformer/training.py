@@ -67,12 +67,9 @@ def set_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
 # %% ../book/08_training.ipynb #c018
 def epoch_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int,
                   seed: int, epoch: int, pieces: int = 1) -> list[list[list[int]]]:
-    """The global batches of one epoch: a list of steps, each a list of `pieces` index
-    lists.
-
-    Pieces come from `token_batches` with a budget of `batch_tokens // pieces` slots,
-    shuffled with a seed made of `seed` and `epoch`; the last few that do not fill a
-    step are dropped."""
+    """One epoch's steps, each `pieces` index lists from `token_batches` (a budget of
+    `batch_tokens // pieces` slots, shuffled by `seed` and `epoch`); an unfilled last step is
+    dropped."""
     budget = batch_tokens // pieces
     batches = token_batches([s for s, _ in examples], [t for _, t in examples], budget,
                             shuffle=True, seed=seed * 1_000_003 + epoch)
@@ -95,24 +92,19 @@ def collate(examples, indices: list[int],
 # %% ../book/08_training.ipynb #c020
 def make_examples(tokenizer: Tokenizer, pairs: list[tuple[str, str]],
                   max_len: int | None = None) -> list[tuple[list[int], list[int]]]:
-    """Token ids of `(source, target)` text pairs: `(x EOS, BOS y EOS)`. Pairs with a
-    side longer than `max_len` tokens are dropped (with a warning), empty sides are
-    kept."""
+    """Token ids of `(source, target)` text pairs: `(x EOS, BOS y EOS)`. Pairs with a side
+    longer than `max_len` tokens are dropped (with a warning), empty sides are kept."""
     if isinstance(pairs, (str, tuple)) or not all(
             isinstance(p, (tuple, list)) and len(p) == 2 for p in pairs):
         raise ValueError("pairs must be a list of (source, target) text pairs")
     src = tokenizer.encode_batch([s for s, _ in pairs], eos=True)
     tgt = tokenizer.encode_batch([t for _, t in pairs], bos=True, eos=True)
-    examples = [(s, t) for s, t in zip(src, tgt) if _fits(s, t, max_len)]
+    examples = [(s, t) for s, t in zip(src, tgt)
+                if max_len is None or max(len(s), len(t)) <= max_len]
     if len(examples) < len(pairs):
-        warnings.warn(f"dropped {len(pairs) - len(examples)} of {len(pairs)} pairs "
-                      "longer than "
+        warnings.warn(f"dropped {len(pairs) - len(examples)} of {len(pairs)} pairs longer than "
                       f"max_len={max_len} tokens", stacklevel=2)
     return examples
-
-
-def _fits(src: list[int], tgt: list[int], max_len: int | float | None) -> bool:
-    return max_len is None or (len(src) <= max_len and len(tgt) <= max_len)
 
 # %% ../book/08_training.ipynb #c022
 class Seq2SeqLoss(nn.Module):
@@ -132,15 +124,11 @@ class Seq2SeqLoss(nn.Module):
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
-    "tiny":  dict(batch_tokens=3000, warmup=200, lr_scale=1.0, max_steps=2000,
-                  eval_every=250),
-    "small": dict(batch_tokens=4000, warmup=400, lr_scale=1.0, max_steps=20_000,
-                  eval_every=200, cpu_bf16=True, keep_checkpoints=10,
-                  snapshot_every=100, subword_dropout=0.2),
-    "base":  dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=100_000,
-                  eval_every=2000),
-    "big":   dict(batch_tokens=25_000, warmup=4000, lr_scale=1.0, max_steps=300_000,
-                  eval_every=2000),
+    "tiny":  dict(batch_tokens=3000, warmup=200, max_steps=2000, eval_every=250),
+    "small": dict(batch_tokens=4000, warmup=400, max_steps=20_000, eval_every=200, cpu_bf16=True,
+                  keep_checkpoints=10, snapshot_every=100, subword_dropout=0.2),
+    "base":  dict(batch_tokens=25_000, warmup=4000, max_steps=100_000, eval_every=2000),
+    "big":   dict(batch_tokens=25_000, warmup=4000, max_steps=300_000, eval_every=2000),
 }
 
 
@@ -149,7 +137,7 @@ class TrainConfig:
     """How to train. `batch_tokens` is the padded token budget of one optimizer step,
     all pieces together."""
     batch_tokens: int = 25_000
-    accum_steps: int = 1  # micro-batches per process and step (gradient accumulation)
+    accum_steps: int = 1            # micro-batches per process and step (gradient accumulation)
     max_steps: int = 100_000
     max_minutes: float | None = None
     warmup: int = 4000
@@ -158,53 +146,39 @@ class TrainConfig:
     beta2: float = 0.98
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
-    # BPE-dropout of the training pairs, drawn anew each epoch (`SubwordDropout`); 0: off
-    subword_dropout: float = 0.0
+    subword_dropout: float = 0.0    # BPE-dropout of the training pairs, new each epoch; 0: off
     clip_norm: float | None = 1.0
     eval_every: int = 1000          # validate and save last.pt every this many steps
     log_every: int = 50
     seed: int = 0
     amp: bool = True                # bf16 autocast on CUDA
-    # bf16 autocast on the CPU too (pays off with bf16 instructions: AMX, AVX512-BF16)
-    cpu_bf16: bool = False
+    cpu_bf16: bool = False          # and on the CPU (pays off with AMX or AVX512-BF16)
     compile: bool = False           # torch.compile the model + loss
-    # also keep the weights of the last N snapshots, for averaging
-    keep_checkpoints: int = 0
-    # steps between those snapshots (default: eval_every)
-    snapshot_every: int | None = None
+    keep_checkpoints: int = 0       # keep the weights of the last N snapshots, for averaging
+    snapshot_every: int | None = None   # steps between those snapshots (None: eval_every)
 
-    # fields that may change when a run is resumed (they do not change the math of a
-    # step beyond rounding)
+    # fields that may change when a run is resumed (they change a step's math only by rounding)
     RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp",
                  "cpu_bf16", "compile", "accum_steps", "keep_checkpoints",
                  "snapshot_every")
 
     def __post_init__(self):
-        for name in ("batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every",
-                     "log_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an int >= 1")
-        if isinstance(self.keep_checkpoints, bool) \
-                or not isinstance(self.keep_checkpoints, int) \
-                or self.keep_checkpoints < 0:
-            raise ValueError(f"keep_checkpoints={self.keep_checkpoints!r} "
-                             "must be an int >= 0 (0: keep none)")
-        if self.snapshot_every is not None and (
-                isinstance(self.snapshot_every, bool) or
-                not isinstance(self.snapshot_every, int) or self.snapshot_every < 1):
-            raise ValueError(f"snapshot_every={self.snapshot_every!r} "
-                             "must be an int >= 1 or None (= eval_every)")
-        checks = [("lr_scale", self.lr_scale > 0, "> 0"),
-                  ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
-                  ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
-                  ("adam_eps", self.adam_eps > 0, "> 0"),
-                  ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
-                  ("subword_dropout", 0 <= self.subword_dropout < 1, "in [0, 1)"),
-                  ("clip_norm", self.clip_norm is None or self.clip_norm > 0,
-                   "> 0 or None"),
-                  ("max_minutes", self.max_minutes is None or self.max_minutes > 0,
-                   "> 0 or None")]
+        def whole(v, low):   # an int, not a bool, >= low
+            return isinstance(v, int) and not isinstance(v, bool) and v >= low
+        checks = [(name, whole(getattr(self, name), 1), "an int >= 1") for name in (
+            "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
+        checks += [
+            ("keep_checkpoints", whole(self.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
+            ("snapshot_every", self.snapshot_every is None or whole(self.snapshot_every, 1),
+             "an int >= 1 or None (= eval_every)"),
+            ("lr_scale", self.lr_scale > 0, "> 0"),
+            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
+            ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
+            ("adam_eps", self.adam_eps > 0, "> 0"),
+            ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
+            ("subword_dropout", 0 <= self.subword_dropout < 1, "in [0, 1)"),
+            ("clip_norm", self.clip_norm is None or self.clip_norm > 0, "> 0 or None"),
+            ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0 or None")]
         for name, ok, rule in checks:
             if not ok:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be {rule}")
