@@ -317,3 +317,52 @@ def test_no_code_silences_every_warning():
     assert not found, f"blanket warning filters (name the warning instead): {found}"
     assert BLANKET.search('warnings.simplefilter("ignore")') and not BLANKET.search(
         'warnings.filterwarnings("ignore", message="IProgress not found")')
+
+
+def test_the_translator_runs_in_a_browser_from_the_built_site(browser, built_book, tmp_path):
+    """Issue 31, the built site served from localhost and opened in headless Chromium (through the
+    DevTools protocol: tests/web_browser.py). Chapter 5, which has no widget, asks for nothing of
+    the translator. The front page draws its box and loads nothing more until Translate is pressed.
+    Chapter 11 with `?sentence=Ein Hund läuft im Schnee.` translates on its own: a translation with
+    "dog" and a drawn cross-attention map (one cell per written piece and source piece). No request
+    leaves localhost, and the runtime and the model come from the site."""
+    from urllib.parse import quote
+
+    import sentencepiece as spm
+    from web_browser import STATE, Chrome, local, serve
+
+    translator = "/_static/translator/"
+    with serve(built_book) as (base, served), Chrome(browser, tmp_path) as chrome:
+        chrome.open(f"{base}/book/05_positions.html")
+        asked = chrome.requests()
+        assert asked and not [u for u in asked if translator in u or u.endswith((".wasm", ".mjs", ".onnx"))], asked
+
+        mark = len(chrome.events)
+        chrome.open(f"{base}/book/index.html")
+        assert chrome.wait_for(STATE, lambda s: s is not None) == "idle"
+        assert chrome.evaluate("document.querySelector('.book-translator .bt-button').textContent") == "Translate"
+        front = [u for u in chrome.requests(mark) if translator in u]
+        assert [u.split(translator)[1] for u in front] == ["widget.css", "widget.js"], front
+
+        sentence = "Ein Hund läuft im Schnee."
+        chrome.open(f"{base}/book/11_traced.html?sentence={quote(sentence)}")
+        state = chrome.wait_for(STATE, lambda s: s in ("done", "error"), timeout=120)
+        widget = "document.querySelector('.book-translator')"
+        assert state == "done", chrome.evaluate(f"{widget}.querySelector('.bt-status').textContent")
+        assert chrome.evaluate(f"{widget}.querySelector('.bt-input').value") == sentence
+        translation = chrome.evaluate(f"{widget}.querySelector('.bt-output').textContent")
+        assert "dog" in translation, translation
+        rows, columns, cells, darkest = chrome.evaluate(f"""(() => {{
+            const map = {widget}.querySelector('.bt-map');
+            const cells = [...map.querySelectorAll('svg rect.bt-cell')];
+            return [Number(map.dataset.rows), Number(map.dataset.columns), cells.length,
+                    Math.max(...cells.map((c) => Number(c.getAttribute('fill-opacity'))))]; }})()""")
+        pieces = spm.SentencePieceProcessor(model_file=str(ROOT / "book" / "model" / "tokenizer.model")).encode(sentence)
+        assert columns == len(pieces) + 1 and rows >= 3, (rows, columns, pieces)   # the source's pieces and EOS
+        assert cells == rows * columns and darkest == 1, (rows, columns, cells, darkest)
+        assert chrome.evaluate(f"{widget}.querySelectorAll('.bt-top tr').length") == 6   # a header and the top 5
+        everything = chrome.requests()
+    outside = [u for u in everything if not local(u)]
+    assert not outside, f"requests that left localhost: {outside}"
+    assert any(p.endswith("/ort/ort-wasm-simd-threaded.wasm") for p in served), "the runtime was not served by the site"
+    assert any(p.endswith("/model/decoder.onnx") for p in served), "the model was not served by the site"

@@ -4,8 +4,9 @@
 //   node tests/js/run_cases.mjs tokenize request.json   {tokenizer, texts, decode} -> {ids, pieces, decoded}
 //   node tests/js/run_cases.mjs rules request.json      {name, charsmap?, rules: [[from, to], ...]} -> {wrong: [[from, to, got]]}
 //   node tests/js/run_cases.mjs search request.json     {cases: [{src, beamSize, alpha, extraLen}]} -> {results}
-//   node tests/js/run_cases.mjs onnx request.json       {web, texts, beamSize, trace} -> {results: [{text, ids, srcIds}], traces}
-//     (onnxruntime-node from tests/js/node_modules: npm ci --prefix tests/js)
+//   node tests/js/run_cases.mjs onnx request.json       {web, texts, beamSize, trace, runtime, sessionOptions} -> {results: [{text, ids, srcIds}], traces}
+//     runtime "node" (the default): onnxruntime-node from tests/js/node_modules (npm ci --prefix tests/js);
+//     "web": onnxruntime-web's WASM from book/_static/translator/node_modules (npm ci --prefix book/_static/translator)
 import fs from 'node:fs';
 import { CharsMap, normalizeRule } from '../../book/_static/translator/normalizer.js';
 import { beamSearch, greedySearch } from '../../book/_static/translator/search.js';
@@ -34,12 +35,22 @@ if (mode === 'tokenize') {
     answer.results.push(beamSize === 1 ? await greedySearch(fakeStep(src), options) : await beamSearch(fakeStep(src), options));
   }
 } else if (mode === 'onnx') {
-  const { default: ort } = await import('onnxruntime-node');
-  const read = (name) => JSON.parse(fs.readFileSync(`${request.web}/${name}`, 'utf8'));
-  const config = read('config.json');
-  const translator = await Translator.create(ort, {
-    config, tokenizer: read(config.tokenizer), encoder: `${request.web}/${config.encoder}`, decoder: `${request.web}/${config.decoder}`,
-  }, { intraOpNumThreads: 1, interOpNumThreads: 1 });
+  let translator;
+  if ((request.runtime ?? 'node') === 'node') {
+    const { default: ort } = await import('onnxruntime-node');
+    const read = (name) => JSON.parse(fs.readFileSync(`${request.web}/${name}`, 'utf8'));
+    const config = read('config.json');
+    translator = await Translator.create(ort, {
+      config, tokenizer: read(config.tokenizer), encoder: `${request.web}/${config.encoder}`, decoder: `${request.web}/${config.decoder}`,
+    }, { intraOpNumThreads: 1, interOpNumThreads: 1, ...request.sessionOptions });
+  } else {
+    // the page's runtime: onnxruntime-web's single-threaded WASM, the very file the book's site serves,
+    // loaded through the widget's own path (Translator.fromFiles)
+    const ort = await import(new URL('../../book/_static/translator/node_modules/onnxruntime-web/dist/ort.wasm.bundle.min.mjs', import.meta.url));
+    ort.env.wasm.numThreads = 1;
+    translator = await Translator.fromFiles(ort, async (name) => new Uint8Array(fs.readFileSync(`${request.web}/${name}`)),
+      { executionProviders: ['wasm'], ...request.sessionOptions });
+  }
   answer = { results: [], traces: [] };
   for (const text of request.texts) {
     const out = await translator.translate(text, { beamSize: request.beamSize });

@@ -20,6 +20,19 @@ export class Translator {
     return new Translator({ ort, encoder: enc, decoder: dec, tokenizer: new Tokenizer(tokenizer), config });
   }
 
+  /** The web export read file by file: `read(name)` resolves to the bytes (a Uint8Array) of a file
+   *  of book/model/web/ (a fetch in a page, fs in Node). The shared weights (config.external_data)
+   *  are read once and handed to both graphs: what onnxruntime-web needs, and -node accepts. */
+  static async fromFiles(ort, read, sessionOptions = {}) {
+    const text = new TextDecoder();
+    const config = JSON.parse(text.decode(await read('config.json')));
+    const names = [config.tokenizer, config.encoder, config.decoder, ...config.external_data];
+    const [tokenizer, encoder, decoder, ...shared] = await Promise.all(names.map((name) => read(name)));
+    const externalData = config.external_data.map((path, i) => ({ path, data: shared[i] }));
+    return Translator.create(ort, { config, tokenizer: JSON.parse(text.decode(tokenizer)), encoder, decoder },
+      { ...sessionOptions, externalData });
+  }
+
   /** The source ids the model reads: the pieces, then EOS (cut to max_len as chapter 9's translate). */
   sourceIds(text) {
     const ids = this.tokenizer.encode(text);
