@@ -37,11 +37,14 @@ def test_attention_is_eq1_by_hand():
     torch.testing.assert_close(w.sum(-1), torch.ones_like(w.sum(-1)), rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal", "random"])
+@pytest.mark.parametrize("mask_kind", ["none", "padding", "causal", "padding+causal", "random"])
 def test_teaching_path_matches_torch_sdpa(mask_kind):
+    """Chapter 2's `attention` is PyTorch's `F.scaled_dot_product_attention` in float64, with the
+    mask shapes later chapters use: padding (B, 1, 1, T_k), causal (1, 1, T, T), both, random."""
     T = 6
     q, k, v = qkv(T_q=T, T_k=T)
-    mask = {"none": None, "padding": padding_mask(T_k=T, lengths=(6, 3)), "causal": causal(T),
+    pad = padding_mask(T_k=T, lengths=(6, 3))
+    mask = {"none": None, "padding": pad, "causal": causal(T), "padding+causal": pad & causal(T),
             "random": torch.rand(2, 3, T, T, generator=torch.Generator().manual_seed(1)) > 0.3}[mask_kind]
     if mask is not None:
         mask = mask | torch.eye(T, dtype=torch.bool)  # every row keeps a key: torch's reference is defined there
