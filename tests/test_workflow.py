@@ -72,6 +72,16 @@ def test_a_weekly_job_runs_the_suite_on_the_newest_versions_the_ranges_allow(wf)
         assert wf["jobs"][name]["if"] == "github.event_name != 'schedule'"
 
 
+def test_the_test_jobs_install_the_translators_node_packages_from_their_locks(wf):
+    "As .ci/run: onnxruntime-node for the Node tests, onnxruntime-web for the page (and its Node test)."
+    for name in ("test", "latest"):
+        node = [r for r in runs(wf["jobs"][name]) if "npm" in r]
+        assert node == ["npm ci --no-audit --no-fund --prefix tests/js && "
+                        "npm ci --no-audit --no-fund --prefix book/_static/translator"], (name, node)
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "for dir in tests/js book/_static/translator; do" in ci and 'npm ci' in ci
+
+
 def test_build_uploads_the_site_and_deploy_publishes_it_from_main_only(wf):
     build, deploy = wf["jobs"]["build"], wf["jobs"]["deploy"]
     assert build["needs"] == "test" and deploy["needs"] == "build"

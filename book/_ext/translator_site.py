@@ -4,8 +4,8 @@ book, so it runs from the site alone, with nothing fetched from elsewhere.
 - onnxruntime-web, pinned by `book/_static/translator/package-lock.json`: when its `node_modules`
   lacks the locked version, the build installs it (`npm ci --prefix book/_static/translator`, with
   the machine's Node.js). Only what single-threaded WASM needs is copied, to
-  `_static/translator/ort/`: the ES module with its loader bundled in and its one `.wasm` (threads
-  would need cross-origin isolation headers, which GitHub Pages cannot send).
+  `_static/translator/ort/`: the ES module with its loader bundled in (renamed `.js`) and its one
+  `.wasm` (threads would need cross-origin isolation headers, which GitHub Pages cannot send).
 - The translator's modules and stylesheet (`book/_static/translator/*.js`, `*.css`) go to
   `_static/translator/`, and the web export `book/model/web/` (appendix I) to
   `_static/translator/model/`.
@@ -31,7 +31,10 @@ BOOK = Path(__file__).resolve().parents[1]
 TRANSLATOR = BOOK / "_static" / "translator"
 WEB = BOOK / "model" / "web"
 RUNTIME = "onnxruntime-web"
-RUNTIME_FILES = ("ort.wasm.bundle.min.mjs", "ort-wasm-simd-threaded.wasm")
+# the package's file -> the site's: the module as .js, a type every web server sends as JavaScript
+# (a browser refuses a module sent as application/octet-stream, as some servers send .mjs)
+RUNTIME_FILES = {"ort.wasm.bundle.min.mjs": "ort.wasm.bundle.min.js",
+                 "ort-wasm-simd-threaded.wasm": "ort-wasm-simd-threaded.wasm"}
 OUT = "translator"                  # under the site's _static/
 SCRIPT, CSS = f"{OUT}/widget.js", f"{OUT}/widget.css"
 WIDGET = 'class="book-translator'   # the div a page holds the widget in
@@ -77,8 +80,8 @@ def copy_site_files(static: Path, dist: Path | None) -> None:
     for path in sorted([*TRANSLATOR.glob("*.js"), *TRANSLATOR.glob("*.css")]):
         shutil.copy2(path, out / path.name)
     if dist is not None:
-        for name in RUNTIME_FILES:
-            shutil.copy2(dist / name, out / "ort" / name)
+        for name, site_name in RUNTIME_FILES.items():
+            shutil.copy2(dist / name, out / "ort" / site_name)
     if not (WEB / "config.json").is_file():
         logger.warning(f"translator: {WEB} holds no web export: run `python -m transformer export --web "
                        f"--model book/model --out book/model/web`")

@@ -44,7 +44,7 @@
   async function loadEngine() {
     performance.mark('book-translator:load-start');
     const [ort, { Translator }] = await Promise.all([
-      import(new URL('ort.wasm.bundle.min.mjs', RUNTIME).href), import(new URL('translator.js', BASE).href)]);
+      import(new URL('ort.wasm.bundle.min.js', RUNTIME).href), import(new URL('translator.js', BASE).href)]);
     ort.env.wasm.numThreads = 1;
     ort.env.wasm.wasmPaths = { wasm: new URL('ort-wasm-simd-threaded.wasm', RUNTIME).href }; // its loader is in the bundle
     const translator = await Translator.fromFiles(ort, async (name) =>
