@@ -47,12 +47,10 @@ def _until_eos(ids: list[int]) -> list[int]:
 
 # %% ../book/09_decoding.ipynb #c007
 class KVCache:
-    """The keys and values of one attention layer for the positions so far: two tensors
-    (B, heads, capacity, d), allocated at the first `append`, filled in place (no tensor
-    grows by concatenation). `length` is the number of positions stored, and the
-    position of the next one. `fixed=True`: the keys and values of one `append` (the
-    memory's, for cross-attention), stored once and then only read; capacity = that
-    append's length."""
+    """One attention layer's keys and values so far: two tensors (B, heads, capacity, d),
+    allocated at the first `append` and filled in place; `length` positions are stored.
+    `fixed=True`: the keys and values of one `append` (the memory's, for cross-attention),
+    stored once and then only read."""
 
     def __init__(self, capacity: int | None = None, fixed: bool = False):
         if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
@@ -65,8 +63,7 @@ class KVCache:
 
     def append(self, k: torch.Tensor, v: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store new keys and values (B, heads, n, d); return all of them so far,
-        (B, heads, length, d) each (views into the cache)."""
+        "Store keys and values (B, heads, n, d); return all so far (views, (B, heads, length, d))."
         if self.k is None:
             B, heads, n, d = k.shape
             if self.fixed:
@@ -94,15 +91,12 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         "Bytes allocated for keys and values (0 before the first append)."
-        if self.k is None:
-            return 0
-        return (self.k.numel() * self.k.element_size()
-                + self.v.numel() * self.v.element_size())
+        return 0 if self.k is None else (self.k.numel() * self.k.element_size()
+                                         + self.v.numel() * self.v.element_size())
 
 
 class PrefixDecoder:
-    ("Next-token logits by running the decoder over the whole prefix "
-     "(the training computation).")
+    "Next-token logits by running the decoder over the whole prefix (the training computation)."
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
                  src_mask: torch.Tensor, capacity: int | None = None):
@@ -116,14 +110,13 @@ class PrefixDecoder:
         return self.model.generator(hidden[:, -1])
 
     def reorder(self, rows: torch.Tensor | list[int]) -> None:
-        ("Rows of the next step come from these rows (beam search); "
-         "nothing is cached here.")
+        "Rows of the next step come from these rows (beam search); nothing is cached here."
 
 
 class CachedDecoder:
-    """Next-token logits from the newest token only: `Transformer.decode` with a pair
-    of `KVCache` objects per decoder layer, the self-attention's (one position appended per
-    step) and the cross-attention's (the memory's keys and values, computed once)."""
+    """Next-token logits from the newest token only: `Transformer.decode` with a pair of
+    `KVCache` per decoder layer, self-attention's (one position per step) and
+    cross-attention's (the memory's keys and values, computed once)."""
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
                  src_mask: torch.Tensor, capacity: int | None = None):
@@ -132,8 +125,7 @@ class CachedDecoder:
                        for _ in model.decoder.layers]
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
-        ("ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the "
-         "last call.")
+        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
         hidden = self.model.decode(ys[:, -1:], self.memory, self.src_mask,
                                    caches=self.caches)      # (N, 1, d_model)
         return self.model.generator(hidden[:, -1])          # (N, V)
@@ -259,28 +251,21 @@ def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
               beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
               batch_size: int = 64) -> list[str]:
-    ("Raw source texts -> raw target texts. `beam_size=1` is greedy search; "
-     "the paper used 4 and alpha=0.6.")
+    "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4."
     if isinstance(texts, str):
         raise TypeError("texts must be a list of sentences; "
                         "wrap a single sentence in a list: [text]")
-    texts = list(texts)
-    if (isinstance(batch_size, bool) or not isinstance(batch_size, int)
-            or batch_size < 1):
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
     if tokenizer.vocab_size != model.config.src_vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
                          f"model expects src_vocab={model.config.src_vocab}; "
                          "use the tokenizer the model was trained with")
-    device = next(model.parameters()).device
-    ids = tokenizer.encode_batch(texts, eos=True)
-    too_long = [i for i, x in enumerate(ids) if len(x) > model.config.max_len]
-    if too_long:
-        warnings.warn(f"{len(too_long)} source(s) longer than "
-                      f"max_len={model.config.max_len} tokens "
-                      f"were cut to that length", stacklevel=2)
-        for i in too_long:
-            ids[i] = ids[i][:model.config.max_len - 1] + [EOS]
+    ids, limit = tokenizer.encode_batch(list(texts), eos=True), model.config.max_len
+    if any(len(x) > limit for x in ids):
+        warnings.warn(f"{sum(len(x) > limit for x in ids)} source(s) longer than "
+                      f"max_len={limit} tokens were cut to that length", stacklevel=2)
+        ids = [x if len(x) <= limit else x[:limit - 1] + [EOS] for x in ids]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     was_training = model.training
@@ -288,9 +273,8 @@ def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
     try:
         for start in range(0, len(order), batch_size):
             chunk = order[start:start + batch_size]
-            src, _ = pad_batch([ids[i] for i in chunk],
-                               pad_id=model.config.pad_id)                 # (b, S)
-            src = src.to(device)
+            src, _ = pad_batch([ids[i] for i in chunk], pad_id=model.config.pad_id)   # (b, S)
+            src = src.to(next(model.parameters()).device)
             hyps = (greedy_search(model, src, extra_len) if beam_size == 1
                     else beam_search(model, src, beam_size, alpha, extra_len))
             for i, h in zip(chunk, hyps):
