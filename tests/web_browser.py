@@ -6,9 +6,10 @@ and run as a script to measure what a reader waits for and downloads:
 
     python tests/web_browser.py --site _build/html --out book/results/web/chromium-xeon.json
 
-(build the book first: `jupyter-book build .`). The script opens chapter 11 in a fresh profile,
-presses Translate once (bytes downloaded, time to the first translation), then translates more
-test sentences with greedy and beam search (time per sentence). It asserts nothing about time.
+(build the book first: `jupyter-book build .`). The script opens chapter 11 in a fresh profile and
+presses Translate once (bytes downloaded, time to the first translation; three times, each in a new
+browser), then translates more test sentences with greedy and beam search in one page (time per
+sentence). It asserts nothing about time.
 
 Only the standard library and websocket-client (in requirements.txt's lock, through Jupyter)."""
 import argparse
@@ -212,46 +213,68 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def measure(site: Path, executable: str, sentences: list[str]) -> dict:
-    "What a reader downloads and waits for, on this machine (see the module's docstring)."
-    config = json.loads((site / "_static" / "translator" / "model" / "config.json").read_text())
-    lock = json.loads((ROOT / "book" / "_static" / "translator" / "package-lock.json").read_text())
-    load_before = os.getloadavg()
-    with serve(site) as (base, _), tempfile.TemporaryDirectory() as profile, Chrome(executable, Path(profile)) as chrome:
+def first_press(base: str, executable: str, sentence: str) -> tuple[dict, dict, int]:
+    """Chapter 11 in a fresh profile, then one press of Translate: its timings, the bytes of each
+    URL it downloaded, and the bytes of the page before it."""
+    with tempfile.TemporaryDirectory() as profile, Chrome(executable, Path(profile)) as chrome:
         chrome.open(f"{base}/book/11_traced.html")
         chrome.wait_for(STATE, lambda s: s == "idle")
         page_bytes = sum(chrome.downloads().values())
         mark = len(chrome.events)
-        first = translate(chrome, sentences[0], 1)
-        files = chrome.downloads(mark)
+        first = translate(chrome, sentence, 1)
         assert all(local(url) for url in chrome.requests()), chrome.requests()
-        after = {}
-        for beam in (1, 4):
-            runs = [translate(chrome, s, beam) for s in sentences[1:]]
-            after[f"beam{beam}" if beam > 1 else "greedy"] = {
-                "sentences": len(runs),
-                "median_seconds_to_translation": round(statistics.median(r["seconds_to_translation"] for r in runs), 4),
-                "median_seconds_to_trace": round(statistics.median(r["seconds_to_trace"] for r in runs), 4),
-                "mean_seconds_to_translation": round(statistics.mean(r["seconds_to_translation"] for r in runs), 4),
-                "runs": runs}
-    names = {url: urlsplit(url).path.removeprefix("/_static/translator/") for url in files}
+        return first, chrome.downloads(mark), page_bytes
+
+
+def summary(runs: list[dict]) -> dict:
+    return {"sentences": len(runs),
+            **{f"{stat.__name__}_{key}": round(stat(r[key] for r in runs), 4)
+               for stat in (statistics.median, statistics.mean) for key in ("seconds_to_translation", "seconds_to_trace")},
+            "runs": runs}
+
+
+def measure(site: Path, executable: str, sentences: list[str], note: str = "", repeats: int = 3) -> dict:
+    "What a reader downloads and waits for, on this machine (see the module's docstring)."
+    config = json.loads((site / "_static" / "translator" / "model" / "config.json").read_text())
+    lock = json.loads((ROOT / "book" / "_static" / "translator" / "package-lock.json").read_text())
+    load_before = os.getloadavg()
+    with serve(site) as (base, _):
+        presses = [first_press(base, executable, sentences[0]) for _ in range(repeats)]
+        with tempfile.TemporaryDirectory() as profile, Chrome(executable, Path(profile)) as chrome:
+            chrome.open(f"{base}/book/11_traced.html")
+            chrome.wait_for(STATE, lambda s: s == "idle")
+            translate(chrome, sentences[0], 1)                        # the first press, not counted here
+            after = {name: summary([translate(chrome, s, beam) for s in sentences[1:]])
+                     for name, beam in (("greedy", 1), ("beam4", 4))}
+            assert all(local(url) for url in chrome.requests()), chrome.requests()
+    first, files, page_bytes = presses[0]
     sizes = {}
     for url, n in files.items():
         path = site / urlsplit(url).path.lstrip("/")
-        sizes[names[url]] = {"bytes": n, "gzip_bytes": len(gzip.compress(path.read_bytes(), 6)) if path.is_file() else None}
+        sizes[urlsplit(url).path.removeprefix("/_static/translator/")] = {
+            "bytes": n, "gzip_bytes": len(gzip.compress(path.read_bytes(), 6)) if path.is_file() else None}
     return {
         "what": "the translator widget of chapter 11 in headless Chromium: the built site served from localhost by "
-                "Python's http.server (no compression, browser cache off); first press of Translate in a fresh "
-                "profile, then more sentences of test_2016_flickr with greedy and beam 4",
+                "Python's http.server (no compression, browser cache off); the first press of Translate in a fresh "
+                f"profile ({repeats} times, each in a new browser), then more sentences of test_2016_flickr with "
+                "greedy and beam 4 in one page (seconds from the press to the translation shown, and to the "
+                "trace drawn)",
         "cpu": cpu_name(), "cpu_count": os.cpu_count(), "browser": browser_version(executable),
         "onnxruntime_web": lock["packages"]["node_modules/onnxruntime-web"]["version"],
         "model": {"precision": config["precision"], "weights_sha256": config["weights_sha256"]},
+        "note": note,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "page_bytes_before_translate": page_bytes,
-        "first_translate": {**first, "bytes_downloaded": sum(files.values()), "requests": len(files),
-                            "gzip_bytes_if_compressed": sum(s["gzip_bytes"] or s["bytes"] for s in sizes.values()),
-                            "files": dict(sorted(sizes.items()))},
+        "first_translate": {
+            "sentence": first["sentence"], "translation": first["translation"],
+            "bytes_downloaded": sum(files.values()), "requests": len(files),
+            "gzip_bytes_if_compressed": sum(s["gzip_bytes"] or s["bytes"] for s in sizes.values()),
+            "median_seconds_to_translation": round(statistics.median(p[0]["seconds_to_translation"] for p in presses), 4),
+            "median_seconds_to_trace": round(statistics.median(p[0]["seconds_to_trace"] for p in presses), 4),
+            "median_load_seconds": round(statistics.median(p[0]["load_seconds"] for p in presses), 4),
+            "presses": [p[0] for p in presses],
+            "files": dict(sorted(sizes.items()))},
         "after": after,
     }
 
@@ -261,12 +284,14 @@ def main(argv=None) -> None:
     parser.add_argument("--site", type=Path, default=ROOT / "_build" / "html", help="the built book (_build/html)")
     parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     parser.add_argument("--sentences", type=int, default=20, help="test sentences after the first (default 20)")
+    parser.add_argument("--repeats", type=int, default=3, help="first presses, each in a fresh browser (default 3)")
+    parser.add_argument("--note", default="", help="what else ran on the machine meanwhile, for the record")
     parser.add_argument("--browser", default=os.environ.get("TRANSFORMER_BROWSER") or shutil.which("chromium")
                         or shutil.which("google-chrome"), help="Chrome or Chromium (default: on PATH)")
     args = parser.parse_args(argv)
     from transformer.data import load_multi30k
     test = [s for s, _ in load_multi30k("de", "en", "test_2016_flickr", progress=False)]
-    result = measure(args.site, args.browser, ["Ein Hund läuft im Schnee.", *test[:args.sentences]])
+    result = measure(args.site, args.browser, ["Ein Hund läuft im Schnee.", *test[:args.sentences]], args.note, args.repeats)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     print(json.dumps({k: v for k, v in result.items() if k != "after"} | {
