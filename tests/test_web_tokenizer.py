@@ -435,3 +435,37 @@ def test_js_cross_attention_equals_python_onnxruntime(node, runtime, tmp_path):
           f"max |JS - Python| cross-attention {worst_attention:.1e}, top-5 probability {worst_p:.1e}")
     assert worst_attention < 1e-4 and worst_p < 1e-4
     assert any("dog" in r["text"] for r in got["results"])
+
+
+def test_js_cross_attention_on_float32_graphs_equals_pytorch(node, ort_node, tmp_path):
+    """The chain closed in one test: the same model exported as float32 graphs (export_web's
+    `precision="float32"`), traced by translator.js on onnxruntime-node, gives PyTorch's own
+    cross-attention (every layer and head, teacher-forced on the JS translation) and PyTorch's
+    next-piece probabilities to 1e-4, and the same greedy translation. The shipped int8 graphs
+    differ from PyTorch by their weights' rounding only (the test above and appendix I)."""
+    pytest.importorskip("onnxruntime", reason="export_web checks its graphs with onnxruntime")
+    from transformer import load
+    from transformer.cli.web import export_web
+    from transformer.figures.plots import recording_attention
+    web32 = tmp_path / "float32"
+    export_web(MODEL, web32, precision="float32")
+    got = run_node(node, "onnx", {"web": str(web32), "texts": TRACED, "beamSize": 1, "trace": True,
+                                  "runtime": "node", "sessionOptions": {}}, tmp_path)
+    trained = load(MODEL)
+    model, tokenizer = trained.model, trained.tokenizer
+    crosses = [layer.cross_attn for layer in model.decoder.layers]
+    worst_attention = worst_p = 0.0
+    for text, result, steps in zip(TRACED, got["results"], got["traces"]):
+        src = torch.tensor([tokenizer.encode(text, eos=True)])                     # (1, S)
+        assert result["ids"] == greedy_search(model, src)[0]                       # same translation
+        with torch.no_grad(), recording_attention(crosses) as records:
+            logits = model(src, torch.tensor([[BOS] + result["ids"]]))             # (1, T, V)
+        cross = torch.stack([records[m][0][0] for m in crosses])                   # (N, h, T, S)
+        probs = logits[0].double().softmax(-1)                                     # (T, V)
+        for t, s in enumerate(steps):
+            js = torch.tensor(s["attention"], dtype=torch.float64)                 # (N, h, S)
+            worst_attention = max(worst_attention, (js - cross[:, :, t].double()).abs().max().item())
+            worst_p = max(worst_p, *(abs(x["p"] - probs[t, x["id"]].item()) for x in s["top"]))
+    print(f"float32 graphs in JS against PyTorch: cross-attention {worst_attention:.1e}, "
+          f"top-5 probability {worst_p:.1e}")
+    assert worst_attention < 1e-4 and worst_p < 1e-4
