@@ -303,7 +303,7 @@ def paper_differences(trained: TrainedModel) -> list[str]:
     if c.dropout != 0.1:
         lines.append(f"Dropout {c.dropout:g} (the paper's base: 0.1): with 0.1 the 29,000 "
                      "pairs are memorised within the hour and the validation loss turns up "
-                     "(chapter 12).")
+                     "(appendix H).")
     if t.get("subword_dropout"):
         lines.append(f"Subword dropout {t['subword_dropout']:g} (BPE-dropout, Provilkov et "
                      "al., 2020): each epoch segments the training pairs anew; not in the "
