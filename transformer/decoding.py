@@ -13,7 +13,7 @@ from .model import Transformer
 from .tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 
 # %% auto #0
-__all__ = ['length_penalty', 'KVCache', 'PrefixDecoder', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate']
+__all__ = ['length_penalty', 'PrefixDecoder', 'greedy_search', 'beam_search', 'translate', 'KVCache', 'CachedDecoder']
 
 # %% ../book/09_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
@@ -46,55 +46,6 @@ def _until_eos(ids: list[int]) -> list[int]:
     return out
 
 # %% ../book/09_decoding.ipynb #c007
-class KVCache:
-    """One attention layer's keys and values so far: two tensors (B, heads, capacity, d),
-    allocated at the first `append` and filled in place; `length` positions are stored.
-    `fixed=True`: the keys and values of one `append` (the memory's, for cross-attention),
-    stored once and then only read."""
-
-    def __init__(self, capacity: int | None = None, fixed: bool = False):
-        if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
-                          or capacity < 1):
-            raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
-                             "sequence to decode)")
-        self.capacity, self.fixed, self.length = capacity, fixed, 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
-
-    def append(self, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        "Store keys and values (B, heads, n, d); return all so far (views, (B, heads, length, d))."
-        if self.k is None:
-            B, heads, n, d = k.shape
-            if self.fixed:
-                self.capacity = n
-            self.k = k.new_empty(B, heads, self.capacity, d)
-            self.v = v.new_empty(B, heads, self.capacity, v.size(-1))   # d_v
-        if k.shape[:2] != self.k.shape[:2] or k.size(-1) != self.k.size(-1):
-            raise ValueError(f"keys of shape {tuple(k.shape)} do not fit this cache of "
-                             f"(B, heads, capacity, d) = {tuple(self.k.shape)}")
-        end = self.length + k.size(2)
-        if end > self.capacity:
-            raise ValueError(f"the cache holds {self.capacity} positions; appending "
-                             f"{k.size(2)} to {self.length} needs capacity >= {end}")
-        self.k[:, :, self.length:end] = k
-        self.v[:, :, self.length:end] = v
-        self.length = end
-        return self.k[:, :, :end], self.v[:, :, :end]
-
-    def reorder(self, index: torch.Tensor) -> None:
-        "Row i now continues row index[i] (beam search)."
-        if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
-
-    @property
-    def nbytes(self) -> int:
-        "Bytes allocated for keys and values (0 before the first append)."
-        return 0 if self.k is None else (self.k.numel() * self.k.element_size()
-                                         + self.v.numel() * self.v.element_size())
-
-
 class PrefixDecoder:
     "Next-token logits by running the decoder over the whole prefix (the training computation)."
 
@@ -111,31 +62,6 @@ class PrefixDecoder:
 
     def reorder(self, rows: torch.Tensor | list[int]) -> None:
         "Rows of the next step come from these rows (beam search); nothing is cached here."
-
-
-class CachedDecoder:
-    """Next-token logits from the newest token only: `Transformer.decode` with a pair of
-    `KVCache` per decoder layer, self-attention's (one position per step) and
-    cross-attention's (the memory's keys and values, computed once)."""
-
-    def __init__(self, model: Transformer, memory: torch.Tensor,
-                 src_mask: torch.Tensor, capacity: int | None = None):
-        self.model, self.memory, self.src_mask = model, memory, src_mask
-        self.caches = [(KVCache(capacity or model.config.max_len), KVCache(fixed=True))
-                       for _ in model.decoder.layers]
-
-    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
-        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
-        hidden = self.model.decode(ys[:, -1:], self.memory, self.src_mask,
-                                   caches=self.caches)      # (N, 1, d_model)
-        return self.model.generator(hidden[:, -1])          # (N, V)
-
-    def reorder(self, rows: torch.Tensor | list[int]) -> None:
-        "Beam search re-ordered the rows: every cache follows."
-        index = torch.as_tensor(rows, device=self.memory.device)
-        for pair in self.caches:
-            for cache in pair:
-                cache.reorder(index)
 
 
 def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
@@ -282,3 +208,77 @@ def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
     finally:
         model.train(was_training)
     return out
+
+# %% ../book/d_2_fast.ipynb #kv000a
+class KVCache:
+    """One attention layer's keys and values so far: two tensors (B, heads, capacity, d),
+    allocated at the first `append` and filled in place; `length` positions are stored.
+    `fixed=True`: the keys and values of one `append` (the memory's, for cross-attention),
+    stored once and then only read."""
+
+    def __init__(self, capacity: int | None = None, fixed: bool = False):
+        if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                          or capacity < 1):
+            raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
+                             "sequence to decode)")
+        self.capacity, self.fixed, self.length = capacity, fixed, 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        "Store keys and values (B, heads, n, d); return all so far (views, (B, heads, length, d))."
+        if self.k is None:
+            B, heads, n, d = k.shape
+            if self.fixed:
+                self.capacity = n
+            self.k = k.new_empty(B, heads, self.capacity, d)
+            self.v = v.new_empty(B, heads, self.capacity, v.size(-1))   # d_v
+        if k.shape[:2] != self.k.shape[:2] or k.size(-1) != self.k.size(-1):
+            raise ValueError(f"keys of shape {tuple(k.shape)} do not fit this cache of "
+                             f"(B, heads, capacity, d) = {tuple(self.k.shape)}")
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; appending "
+                             f"{k.size(2)} to {self.length} needs capacity >= {end}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        "Row i now continues row index[i] (beam search)."
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+    @property
+    def nbytes(self) -> int:
+        "Bytes allocated for keys and values (0 before the first append)."
+        return 0 if self.k is None else (self.k.numel() * self.k.element_size()
+                                         + self.v.numel() * self.v.element_size())
+
+
+class CachedDecoder:
+    """Next-token logits from the newest token only: `Transformer.decode` with a pair of
+    `KVCache` per decoder layer, self-attention's (one position per step) and
+    cross-attention's (the memory's keys and values, computed once)."""
+
+    def __init__(self, model: Transformer, memory: torch.Tensor,
+                 src_mask: torch.Tensor, capacity: int | None = None):
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.caches = [(KVCache(capacity or model.config.max_len), KVCache(fixed=True))
+                       for _ in model.decoder.layers]
+
+    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
+        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
+        hidden = self.model.decode(ys[:, -1:], self.memory, self.src_mask,
+                                   caches=self.caches)      # (N, 1, d_model)
+        return self.model.generator(hidden[:, -1])          # (N, V)
+
+    def reorder(self, rows: torch.Tensor | list[int]) -> None:
+        "Beam search re-ordered the rows: every cache follows."
+        index = torch.as_tensor(rows, device=self.memory.device)
+        for pair in self.caches:
+            for cache in pair:
+                cache.reorder(index)
