@@ -50,7 +50,8 @@ class DataError(UserError, ValueError):
 # %% auto #0
 __all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError',
            'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k',
-           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'batch_costs', 'shard_batches', 'id_rows']
+           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'check_id_batch', 'check_embedding',
+           'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -498,6 +499,29 @@ class SentencePieceModel:
             raise TypeError("encode_batch expects a list of sentences, not a single "
                             "string; use encode")
         return check_texts(texts)
+
+# %% ../book/a_data.ipynb #a_embchk
+def check_id_batch(batch):
+    "A batch of id sequences for `decode_batch`: a list of sequences or a (B, T) tensor."
+    if isinstance(batch, torch.Tensor) and batch.dim() != 2:
+        raise ValueError(f"decode_batch expects a (B, T) tensor, got shape {tuple(batch.shape)}")
+    return batch
+
+
+def check_embedding(vocab_size: int, d_model: int, padding_idx: int | None) -> None:
+    "The arguments of chapter 1's `Embeddings`, or the error that names the wrong one."
+    for name, value in (("vocab_size", vocab_size), ("d_model", d_model)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int")
+    if padding_idx is not None and not 0 <= padding_idx < vocab_size:
+        raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_id_tensor(ids: torch.Tensor) -> torch.Tensor:
+    "`ids` for `Embeddings.forward` if they are integers (long or int32), else a `TypeError`."
+    if ids.dtype not in (torch.long, torch.int32):
+        raise TypeError(f"Embeddings expects integer token ids (long), got dtype {ids.dtype}")
+    return ids
 
 # %% ../book/a_data.ipynb #a_batchchk
 def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,

@@ -48,10 +48,7 @@ class Tokenizer(data.SentencePieceModel):
 
     def decode_batch(self, batch: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
         "Text of each row of `batch` (a list of id lists, or a `(B, T)` tensor)."
-        if isinstance(batch, torch.Tensor) and batch.dim() != 2:
-            raise ValueError("decode_batch expects a (B, T) tensor, got shape "
-                             f"{tuple(batch.shape)}")
-        return [self.decode(row) for row in batch]
+        return [self.decode(row) for row in data.check_id_batch(batch)]
 
 # %% ../book/01_tokens.ipynb #908ce33b
 class Embeddings(nn.Module):
@@ -60,11 +57,7 @@ class Embeddings(nn.Module):
 
     def __init__(self, vocab_size: int, d_model: int, padding_idx: int | None = PAD):
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("d_model", d_model)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if padding_idx is not None and not 0 <= padding_idx < vocab_size:
-            raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary [0, {vocab_size})")
+        data.check_embedding(vocab_size, d_model, padding_idx)  # appendix A
         self.d_model = d_model
         self.embedding = nn.Embedding(vocab_size, d_model, padding_idx=padding_idx)
         nn.init.normal_(self.embedding.weight, mean=0.0, std=d_model ** -0.5)
@@ -73,18 +66,15 @@ class Embeddings(nn.Module):
                 self.embedding.weight[padding_idx].zero_()  # PAD is the zero vector
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.dtype not in (torch.long, torch.int32):
-            raise TypeError(f"Embeddings expects integer token ids (long), got dtype {ids.dtype}")
-        return self.embedding(ids) * math.sqrt(self.d_model)  # (B, T) -> (B, T, d_model)
+        return self.embedding(data.check_id_tensor(ids)) * math.sqrt(self.d_model)  # (B, T, d_model)
 
 # %% ../book/01_tokens.ipynb #04b353fb
 def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | None = None,
                   max_tokens: int = 4096, *, shuffle: bool = True, seed: int = 0,
                   max_sentences: int | None = None, rank: int = 0,
                   world_size: int = 1) -> list[list[int]]:
-    """Batches of indices whose padded size (`len(batch) * longest side`) fits `max_tokens`,
-    length-bucketed, shuffled with `seed` (pass the epoch); every pair in exactly one batch;
-    `rank` of `world_size` processes gets its share (appendix A). Add BOS/EOS before."""
+    """Length-bucketed batches of indices, each of padded size (`len(batch) * longest side`)
+    within `max_tokens`, shuffled with `seed` (the epoch); `rank`'s share (appendix A)."""
     src_lens = [len(s) for s in src]
     tgt_lens = src_lens if tgt is None else [len(t) for t in tgt]
     # a pair costs its longer side; appendix A checks the arguments
@@ -94,16 +84,14 @@ def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | N
     if shuffle:
         rng.shuffle(order)  # random order inside each length bucket ...
     order.sort(key=lambda i: (cost[i], src_lens[i], tgt_lens[i]))  # ... stable sort: buckets
-    batches, batch, longest = [], [], 0
-    for i in order:
-        grown = max(longest, cost[i])
-        full = max_sentences is not None and len(batch) >= max_sentences
-        if batch and ((len(batch) + 1) * grown > max_tokens or full):
-            batches.append(batch)
-            batch, grown = [], cost[i]
-        batch.append(i)
-        longest = grown
-    batches.append(batch)
+    batches, longest = [[]], 0
+    for i in order:  # a new batch when one more pair would overflow the budget
+        longest = max(longest, cost[i])
+        if batches[-1] and ((len(batches[-1]) + 1) * longest > max_tokens
+                            or len(batches[-1]) == max_sentences):
+            batches.append([])
+            longest = cost[i]
+        batches[-1].append(i)
     if shuffle:
         rng.shuffle(batches)
     return data.shard_batches(batches, rank, world_size)
