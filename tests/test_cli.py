@@ -904,3 +904,85 @@ def test_resume_of_a_run_from_before_the_shape_fields(multi30k, tmp_path_factory
                             "--out", out, "--resume")
     assert_one_line_error(code, stdout, err, 1, "--resume with a different config")
     assert "positions='none' (the run has 'sinusoidal')" in err
+
+
+# --- train --data DIR: a corpus written by `prepare` (issue 32) --------------------------------------
+
+@pytest.fixture(scope="module")
+def prepared_multi30k(multi30k, tmp_path_factory):
+    "Multi30k's train, val and test prepared with a tokenizer of 1,000 pieces, as `train --vocab-size 1000` trains it."
+    from transformer.data import multi30k_dir
+    d, out = multi30k_dir(), tmp_path_factory.mktemp("prepared") / "corpus"
+    code, stdout, err = run("prepare", "--src-files", d / "train.de.gz", "--tgt-files", d / "train.en.gz",
+                            "--val-files", d / "val.de.gz", d / "val.en.gz",
+                            "--test-files", d / "test_2016_flickr.de.gz", d / "test_2016_flickr.en.gz",
+                            "--vocab-size", 1000, "--out", out, "--quiet")
+    assert code == 0, err
+    return out
+
+
+SHORT = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "--eval-sentences", 8, "--beam", 1,
+         "--threads", 1, "--quiet", "--log-every", 1, "--average", 0]
+
+
+def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, tmp_path):
+    "The same tokenizer, the same batches and losses, the same scores: one run from text, one from the shards."
+    code, _, err = run(*SHORT, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
+    assert code == 0, err
+    code, stdout, err = run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "shards")
+    assert code == 0, err
+    assert f"pairs of {prepared_multi30k}" in stdout
+    runs = [tmp_path / "text", tmp_path / "shards"]
+    assert (runs[0] / "tokenizer.model").read_bytes() == (runs[1] / "tokenizer.model").read_bytes()
+    logs = [[json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
+    key = ("kind", "step", "loss", "nll", "tokens", "val_loss", "bleu")
+    assert [[{k: x.get(k) for k in key} for x in log] for log in logs[:1]] == [
+        [{k: x.get(k) for k in key} for x in log] for log in logs[1:]]
+    assert len([x for x in logs[0] if x["kind"] == "train"]) == 4
+    text, shards = (json.loads((r / "results.json").read_text()) for r in runs)
+    assert (text["split"], shards["split"]) == ("test_2016_flickr", "test")
+    assert text["bleu"] == shards["bleu"] and text["val"] == shards["val"]
+    config = json.loads((runs[1] / "config.json").read_text())
+    assert config["train"]["subword_dropout"] == 0 and config["data"]["corpus_pairs"] == 29_000
+
+
+def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, tmp_path):
+    code, _, err = run(*SHORT, "--max-steps", 2, "--data", prepared_multi30k, "--out", tmp_path / "run",
+                       "--eval-split", "val")
+    assert code == 0, err
+    other = tmp_path / "other"
+    shutil.copytree(prepared_multi30k, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["skipped"] = 1                                          # another corpus, as far as the run can tell
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    assert_one_line_error(*run(*SHORT, "--data", other, "--out", tmp_path / "run", "--resume",
+                               "--eval-split", "val"), 1, "corpus_manifest_sha256=")
+    code, _, err = run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "run", "--resume",
+                       "--eval-split", "val")
+    assert code == 0, err
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--subword-dropout", 0.2], "subword dropout segments text anew each epoch"),
+    (["--vocab-size", 500], "the prepared corpus's tokenizer has 1000 pieces"),
+    (["--eval-split", "test_2016_flickr"], "names a Multi30k split"),
+])
+def test_a_prepared_corpus_refuses_what_needs_text(prepared_multi30k, tmp_path, flags, match):
+    assert_one_line_error(*run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "r", *flags), 1, match)
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("damage", ["truncated shard", "no val"])
+def test_a_damaged_or_incomplete_prepared_corpus_is_one_line(prepared_multi30k, tmp_path, damage):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(prepared_multi30k, corpus)
+    if damage == "truncated shard":
+        shard = corpus / "tgt-00000.npy"
+        shard.write_bytes(shard.read_bytes()[:-100])
+        match = "tgt-00000.npy: "
+    else:
+        manifest = json.loads((corpus / "manifest.json").read_text())
+        del manifest["splits"]["val"]
+        (corpus / "manifest.json").write_text(json.dumps(manifest))
+        match = "holds no val pairs; run prepare again with --val-files SRC TGT"
+    assert_one_line_error(*run(*SHORT, "--data", corpus, "--out", tmp_path / "r"), 1, match)

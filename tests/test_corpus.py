@@ -215,3 +215,148 @@ def test_all_of_multi30k_train(multi30k, tmp_path):
     for seed, pieces in ((0, 1), (4, 4)):
         assert [[p.tolist() for p in s] for s in corpus.epoch_batches(4000, seed, 2, pieces)] == \
             epoch_batches(examples, 4000, seed, 2, pieces)
+
+
+# --- training reads a prepared corpus (issue 32, phase 2) ------------------------------------------
+
+def test_collate_is_chapter_8s_collate_across_shards_and_with_max_len(prepared, corpus_files):
+    corpus, examples = prepared
+    rng = np.random.default_rng(0)
+    for _ in range(10):
+        idx = rng.choice(N, 40, replace=False)                    # pairs of all three shards, in any order
+        for got, want in zip(corpus.collate(idx), collate(examples, idx.tolist()), strict=True):
+            assert got.dtype == want.dtype and got.equal(want)
+    short = ShardedCorpus(corpus.dir, max_len=20)                  # as make_examples(..., max_len=20)
+    with pytest.warns(UserWarning, match="dropped"):
+        kept = make_examples(corpus_files[2], corpus_files[1], 20)
+    assert 0 < len(short) == len(kept) < N and [short[i] for i in range(len(short))] == kept
+    assert short.src_lengths.tolist() == [len(s) for s, _ in kept]
+    idx = rng.choice(len(short), 40, replace=False)
+    assert all(a.equal(b) for a, b in zip(short.collate(idx), collate(kept, idx.tolist()), strict=True))
+    assert [p.tolist() for step in short.epoch_batches(600, 1, 2) for p in step] == [
+        p for step in epoch_batches(kept, 600, 1, 2) for p in step]
+
+
+def test_held_out_pairs_are_kept_as_text(corpus_files, tmp_path):
+    tmp, pairs, tokenizer = corpus_files
+    out = prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "c", tokenizer=tokenizer, quiet=True,
+                  val_files=(tmp / "src2.de", tmp / "tgt2.en"), test_files=[tmp / "src.de.gz", tmp / "tgt.en"])
+    corpus = ShardedCorpus(out)
+    assert corpus.split("val") == pairs[N // 2:] and corpus.split("test") == pairs
+    (out / "val.tgt.txt").write_text("changed\n")
+    with pytest.raises(DataError, match="val.tgt.txt: .*re-run prepare"):
+        corpus.split("val")
+    bare = ShardedCorpus(prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "bare",
+                                 tokenizer=tokenizer, quiet=True))
+    with pytest.raises(DataError) as e:
+        bare.split("test")
+    assert one_line(e).endswith("holds no test pairs; run prepare again with --test-files SRC TGT")
+    with pytest.raises(DataError, match="line counts differ"):               # before any work
+        prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "x", tokenizer=tokenizer,
+                val_files=(tmp / "src1.de", tmp / "tgt.en"))
+    assert not (tmp_path / "x").exists()
+    with pytest.raises(DataError, match="give two"):
+        prepare([tmp / "src1.de"], [tmp / "tgt1.en"], tmp_path / "x", val_files=tmp / "src1.de")
+
+
+def _tiny(vocab=500):
+    import torch
+
+    from transformer.model import Transformer, TransformerConfig
+    torch.manual_seed(0)
+    return Transformer(TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, d_ff=64, h=4,
+                                         n_layers=1, dropout=0.0, max_len=64, norm_first=True))
+
+
+def _quick(**kw):
+    from transformer.training import TrainConfig
+    return TrainConfig(**{**dict(batch_tokens=1200, max_steps=6, warmup=10, eval_every=3, log_every=1), **kw})
+
+
+def _losses(result):
+    return [r["loss"] for r in result.history if r["kind"] == "train"]
+
+
+def _logging(corpus):
+    "The corpus, with every piece it collates recorded in `corpus.read`."
+    corpus.read, collate_ = [], corpus.collate
+    corpus.collate = lambda idx, device=None: (corpus.read.append(np.asarray(idx).tolist()),
+                                                collate_(idx, device))[1]
+    return corpus
+
+
+@pytest.fixture(scope="module")
+def long_corpus(prepared):
+    "The prepared slice opened for a model of max_len 64, and make_examples' list of the same pairs."
+    corpus, examples = prepared
+    return ShardedCorpus(corpus.dir, max_len=64), [e for e in examples if max(map(len, e)) <= 64]
+
+
+def test_training_on_a_prepared_corpus_is_training_on_its_examples(long_corpus, tmp_path):
+    from transformer.engine.loop import train
+    corpus, examples = long_corpus
+    a = train(m := _tiny(), examples, examples[:50], _quick(accum_steps=2), progress=False)
+    b = train(n := _tiny(), corpus, examples[:50], _quick(accum_steps=2), progress=False)
+    assert _losses(a) == _losses(b) and len(_losses(a)) == 6
+    assert a.tokens == b.tokens and all(x.equal(y) for x, y in zip(m.parameters(), n.parameters()))
+    assert [r["val_loss"] for r in a.history if r["kind"] == "eval"] == [
+        r["val_loss"] for r in b.history if r["kind"] == "eval"]
+
+
+def test_resume_in_the_middle_of_an_epoch_continues_with_the_next_batch(long_corpus, tmp_path):
+    from transformer.engine.loop import train
+    corpus, _ = long_corpus
+    config = _quick(batch_tokens=800, max_steps=8, eval_every=4)
+    whole = train(_tiny(), _logging(ShardedCorpus(corpus.dir, max_len=64)), None, config,
+                  out_dir=tmp_path / "whole", progress=False)
+    steps = corpus.epoch_batches(800, 0, 0)
+    assert len(steps) > 8                                           # step 4 is mid-epoch
+    train(_tiny(), corpus, None, _quick(batch_tokens=800, max_steps=4, eval_every=4),
+          out_dir=tmp_path / "cut", progress=False)
+    resumed_corpus = _logging(ShardedCorpus(corpus.dir, max_len=64))
+    resumed = train(_tiny(), resumed_corpus, None, config, out_dir=tmp_path / "cut", resume=True,
+                    progress=False)
+    assert resumed_corpus.read[0] == steps[4][0].tolist()           # the next batch, not the epoch's first
+    assert resumed_corpus.read == [p.tolist() for step in steps[4:8] for p in step]
+    assert _losses(resumed) == _losses(whole)[4:]
+
+
+def _ddp_worker(rank, world_size, port, corpus_dir, out):
+    import torch
+    import torch.distributed as dist
+
+    from transformer.engine.loop import train
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        corpus = _logging(ShardedCorpus(corpus_dir, max_len=64))
+        result = train(_tiny(), corpus, None, _quick(max_steps=4, eval_every=4), progress=False)
+        torch.save({"read": corpus.read, "losses": _losses(result)}, f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_gloo_processes_read_disjoint_shares_of_each_step(long_corpus, tmp_path):
+    "Each process reads only its pieces from the shards; together they are the steps, and the losses are one process's."
+    import socket
+
+    import torch
+    import torch.multiprocessing as mp
+
+    from transformer.engine.loop import train
+    corpus, examples = long_corpus
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_ddp_worker, args=(2, port, str(corpus.dir), str(tmp_path)), nprocs=2, join=True)
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
+    steps = corpus.epoch_batches(1200, 0, 0, pieces=2)[:4]
+    for rank, got in enumerate(ranks):
+        assert got["read"] == [p.tolist() for step in steps for p in my_pieces(step, rank, 2)]
+    read = [[i for p in r["read"] for i in p] for r in ranks]
+    assert not set(read[0]) & set(read[1])
+    assert sorted(read[0] + read[1]) == sorted(i for step in steps for p in step for i in p.tolist())
+    one = train(_tiny(), examples, None, _quick(max_steps=4, eval_every=4, accum_steps=2), progress=False)
+    for got in ranks:
+        assert got["losses"] == pytest.approx(_losses(one), rel=1e-5)

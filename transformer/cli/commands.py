@@ -136,7 +136,8 @@ def _train_parser(sub) -> None:
     t.add_argument("--tgt", choices=LANGS, default="en",
                    help="target language (default: en)")
     t.add_argument("--data", metavar="DIR",
-                   help="directory holding multi30k/ (default: $TRANSFORMER_DATA, "
+                   help="a corpus written by `prepare` (a directory with manifest.json), "
+                        "or a directory holding multi30k/ (default: $TRANSFORMER_DATA, "
                         "then the cache)")
     t.add_argument("--no-download", action="store_true",
                    help="fail instead of downloading missing data")
@@ -160,9 +161,9 @@ def _train_parser(sub) -> None:
     e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
                    help="translate only the first N sentences of each split")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
-                   default="test_2016_flickr",
                    help="split scored at the end, besides val (default: "
-                        "test_2016_flickr)")
+                        "test_2016_flickr; with a prepared corpus, its test pairs if it "
+                        "has them; val: score val only)")
     e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
                    help="keep the last N weight snapshots; at the end average "
                         "the last N, N/2, ... (down to 5) and keep the average that "

@@ -10,6 +10,7 @@ import os
 import platform
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,6 +35,7 @@ from transformer.cli.commands import (
 )
 from ..data import sha256_file
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
+from ..engine.corpus import MANIFEST, ShardedCorpus
 from ..engine.devices import init_distributed
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
@@ -45,7 +47,7 @@ from ..training import TrainConfig, make_examples
 
 # %% auto #0
 __all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
-           'cmd_train']
+           'prepared_corpus', 'cmd_train']
 
 # %% ../../book/c_1_train.ipynb #c009
 M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
@@ -112,11 +114,37 @@ def provenance() -> dict:
 
 
 def _run_config(args, model_config: TransformerConfig,
-                train_config: TrainConfig) -> dict:
-    return {"model": model_config.to_dict(), "train": asdict(train_config),
-            "data": {"src": args.src, "tgt": args.tgt,
-                     "vocab_size": model_config.src_vocab},
+                train_config: TrainConfig, corpus: ShardedCorpus | None = None) -> dict:
+    data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
+    if corpus is not None:       # a prepared corpus, by its manifest (it may move)
+        data.update(corpus_pairs=len(corpus),
+                    corpus_manifest_sha256=sha256_file(corpus.dir / MANIFEST))
+    return {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
             "preset": args.preset, "seed": args.seed}
+
+
+def prepared_corpus(args) -> Path | None:
+    "The directory `--data` names when it holds a corpus written by `prepare` (appendix A.1)."
+    return Path(args.data) if args.data and (Path(args.data) / MANIFEST).is_file() else None
+
+
+def _held_out(args, corpus: Path | None) -> tuple[list, list | None, str]:
+    """Validation pairs, the pairs scored at the end (None: val only) and their split's
+    name: Multi30k's, or the held-out pairs `prepare` kept beside a corpus."""
+    if corpus is None:
+        split = args.eval_split or "test_2016_flickr"
+        return (load_pairs(args, "val", args.src, args.tgt),
+                None if split == "val" else load_pairs(args, split, args.src, args.tgt), split)
+    if args.eval_split not in (None, "val"):
+        raise CLIError(f"--eval-split {args.eval_split} names a Multi30k split, but --data "
+                       f"{corpus} is a prepared corpus: it is scored on its own test pairs "
+                       "(prepare --test-files); drop --eval-split, or pass val")
+    opened = ShardedCorpus(corpus, verify=False)
+    n = args.eval_sentences
+    val = opened.split("val")[:n]
+    test = (opened.split("test")[:n] if args.eval_split is None
+            and "test" in opened.manifest.get("splits", {}) else None)
+    return val, test, "val" if test is None else "test"
 
 
 def _check_same_run(saved: dict, now: dict, path: Path) -> None:
@@ -300,10 +328,11 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     ("The run: data, tokenizer, config.json, the training loop, then the final "
      "evaluation (process 0).")
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    train_pairs, val_pairs = (load_pairs(args, "train", args.src, args.tgt),
-                              load_pairs(args, "val", args.src, args.tgt))
+    corpus = prepared_corpus(args)
+    val_pairs, test_pairs, split = _held_out(args, corpus)
+    train_pairs = None if corpus else load_pairs(args, "train", args.src, args.tgt)
     tokenizer, model_config, train_config, examples = _prepare(
-        out, args, train_pairs, rank, world_size)
+        out, args, train_pairs, rank, world_size, corpus)
     tok_path = out / "tokenizer.model"
     run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
     # now: the files may change while a long run goes on
@@ -314,7 +343,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
         f"({model.num_parameters():,} parameters, "
         f"vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} "
-        f"{args.src}->{args.tgt} pairs; {describe_device(device)}"
+        f"{args.src}->{args.tgt} pairs{f' of {corpus}' if corpus else ''}; "
+        f"{describe_device(device)}"
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
     result = train(model, examples, val_examples, train_config, out_dir=out,
                    resume=args.resume,
@@ -333,10 +363,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
         return 0
     final_start = time.perf_counter()
     try:
-        test = (None if args.eval_split == "val"
-                else load_pairs(args, args.eval_split, args.src, args.tgt))
         final = final_evaluation(
-            out, tokenizer, val_pairs, test, beam_size=args.beam,
+            out, tokenizer, val_pairs, test_pairs, beam_size=args.beam,
             average=train_config.keep_checkpoints,
             alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha,
             model=model, device=device, run=run)
@@ -352,29 +380,33 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
               f"{result.step}) and its checkpoints are saved in {out}; redo the final "
               f"evaluation with: {again}", file=sys.stderr)
         return 128 + getattr(signal, name)
-    results = _results(args, final, result, train_config, device, world_size,
+    results = _results(args, split, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
     write_json(out / "results.json", results)
-    _report(say, args, final, result, results)
+    _report(say, split, final, result, results)
     return 0
 
 
-def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
-    """The tokenizer (trained, or the run's own on --resume), the configs and the
-    training examples, each checked before the next; config.json written."""
+def _prepare(out: Path, args, train_pairs, rank: int, world_size: int,
+             corpus: Path | None = None):
+    """The tokenizer (trained; a prepared corpus's; the run's own on --resume), the configs
+    and the training examples, each checked before the next; config.json written."""
+    if corpus is not None:
+        _check_prepared(args, corpus)
     model_config, train_config = _configs(args, args.vocab_size or VOCAB_SIZE)
     pieces = world_size * train_config.accum_steps
-    # a piece per word at least
-    words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]
-    # before the tokenizer: a hopeless budget fails at once
-    _check_batch_tokens(args, train_config,
-                        max((w for w in words if w <= model_config.max_len), default=0),
-                        pieces, exact=False)
+    if corpus is None:   # before the tokenizer: a hopeless budget fails at once
+        words = [max(len(s.split()) + 1, len(t.split()) + 2) for s, t in train_pairs]
+        _check_batch_tokens(args, train_config,   # a piece per word at least
+                            max((w for w in words if w <= model_config.max_len), default=0),
+                            pieces, exact=False)
     tok_path = out / "tokenizer.model"
     if args.resume:
         check_tokenizer(load_checkpoint(out / "last.pt"), out / "last.pt", tok_path)
     else:
-        if rank == 0:
+        if rank == 0 and corpus is not None:
+            shutil.copyfile(corpus / "tokenizer.model", tok_path)
+        elif rank == 0:
             Tokenizer.train([s for pair in train_pairs for s in pair],
                             args.vocab_size or VOCAB_SIZE).save(tok_path)
         if world_size > 1:
@@ -386,7 +418,13 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
                        f"vocabulary is fixed by its {tok_path} ({V} pieces); drop "
                        "--vocab-size")
     model_config, train_config = _configs(args, V)
-    if train_config.subword_dropout:
+    if corpus is not None:   # the ids prepare wrote, pairs longer than the model left out
+        examples = fixed = ShardedCorpus(corpus, max_len=model_config.max_len)
+        if sha256_file(corpus / "tokenizer.model") != sha256_file(tok_path):
+            raise CLIError(f"--data {corpus} was prepared with another tokenizer than the "
+                           f"run's {tok_path}; resume with the corpus the run started on")
+        longest = int(max(fixed.src_lengths.max(initial=0), fixed.tgt_lengths.max(initial=0)))
+    elif train_config.subword_dropout:
         # a sampled pair longer than the model or a piece of a step keeps its fixed ids
         examples = SubwordDropout(tokenizer, train_pairs, train_config.subword_dropout,
                                   train_config.seed, model_config.max_len,
@@ -394,10 +432,11 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
         fixed = examples.fixed
     else:
         examples = fixed = make_examples(tokenizer, train_pairs, model_config.max_len)
-    _check_batch_tokens(args, train_config,
-                        max(max(len(s), len(t)) for s, t in fixed), pieces,
-                        exact=True)
-    run_config = _run_config(args, model_config, train_config)
+    if corpus is None:
+        longest = max(max(len(s), len(t)) for s, t in fixed)
+    _check_batch_tokens(args, train_config, longest, pieces, exact=True)
+    run_config = _run_config(args, model_config, train_config,
+                             examples if corpus is not None else None)
     if args.resume:
         _check_same_run(json.loads((out / "config.json").read_text()), run_config,
                         out / "config.json")
@@ -406,16 +445,32 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int):
     return tokenizer, model_config, train_config, examples
 
 
+def _check_prepared(args, corpus: Path) -> None:
+    """A prepared corpus holds token ids: its tokenizer fixes the vocabulary, and subword
+    dropout, which segments text anew each epoch, does not apply (the preset's is turned
+    off; asked for, it is an error)."""
+    vocab = ShardedCorpus(corpus, verify=False).vocab_size   # the manifest, read and checked
+    if args.vocab_size not in (None, vocab):
+        raise CLIError(f"--vocab-size {args.vocab_size} with --data {corpus}: the prepared "
+                       f"corpus's tokenizer has {vocab} pieces; drop --vocab-size, or "
+                       "prepare the corpus again with --vocab-size")
+    if args.subword_dropout:
+        raise CLIError(f"--subword-dropout {args.subword_dropout} with --data {corpus}: "
+                       "subword dropout segments text anew each epoch, and a prepared corpus "
+                       "holds token ids; drop --subword-dropout, or train from text")
+    args.subword_dropout = 0.0
+
+
 _SCORES = ("bleu", "bleu_lc_tok", "chrf")
 
 
-def _results(args, final: dict, result, train_config: TrainConfig, device,
+def _results(args, split: str, final: dict, result, train_config: TrainConfig, device,
              world_size: int, final_seconds: float, provenance: dict) -> dict:
     "What results.json records of a finished run."
     test = final["test"]
     return {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
             "chrf": test["chrf"],
-            "split": args.eval_split, "beam": args.beam, "alpha": final["alpha"],
+            "split": split, "beam": args.beam, "alpha": final["alpha"],
             "checkpoint": final["checkpoint"], "averaged": final["averaged"],
             "greedy": {k: final["greedy"][k] for k in _SCORES},
             "val": {k: final["val"][k] for k in _SCORES},
@@ -440,7 +495,7 @@ def _results(args, final: dict, result, train_config: TrainConfig, device,
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
-def _report(say, args, final: dict, result, results: dict) -> None:
+def _report(say, split: str, final: dict, result, results: dict) -> None:
     "The last lines `train` prints."
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
         f"({result.eval_seconds / 60:.1f} of them validating), "
@@ -455,8 +510,7 @@ def _report(say, args, final: dict, result, results: dict) -> None:
                if final["checkpoint"] == "averaged" else "")
             + f", alpha {final['alpha']:g}")
     for name, s in (("val", final["val"]),
-                    (args.eval_split, final["test"]))[
-                        : 1 if args.eval_split == "val" else 2]:
+                    (split, final["test"]))[: 1 if split == "val" else 2]:
         say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {args.beam}, "
+            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {results['beam']}, "
             f"alpha {final['alpha']:g})")

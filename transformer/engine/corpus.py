@@ -17,17 +17,19 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 from tqdm import tqdm
 
 from ..data import DataError, UserError, sha256_file, shard_batches
-from ..tokens import Tokenizer
+from ..tokens import PAD, Tokenizer
 
 CORPUS_FORMAT = 1                 # the layout below; a reader refuses any other
 MANIFEST, TOKENIZER_FILE = "manifest.json", "tokenizer.model"
+SPLITS = ("val", "test")          # held-out pairs prepare may keep beside the shards, as text
 
 # %% auto #0
-__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'count_lines', 'stream_lines', 'aligned_files', 'stream_pairs',
-           'sample_texts', 'prepare', 'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main']
+__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'count_lines', 'stream_lines', 'aligned_files',
+           'stream_pairs', 'sample_texts', 'prepare', 'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
 def _opener(path: Path):
@@ -154,7 +156,30 @@ def _write_shard(out: Path, k: int, parts: list) -> dict:
     return {"pairs": len(index), "src_tokens": len(src), "tgt_tokens": len(tgt), "files": files}
 
 
+def _held_out(name: str, files) -> list[tuple[Path, Path, int]]:
+    "A held-out split's two files, checked like the training files."
+    if isinstance(files, (str, os.PathLike)) or len(files) != 2:
+        raise DataError(f"{name} files: give two, the source file then the target file")
+    return aligned_files(*files)
+
+
+def _write_split(out: Path, name: str, files: list) -> dict:
+    "A held-out split's pairs, stripped, as `name.src.txt` and `name.tgt.txt`."
+    pairs = list(stream_pairs(files))
+    if not pairs:
+        raise DataError(f"{name} files {files[0][0]} / {files[0][1]} hold no pair of non-empty lines")
+    entry = {"pairs": len(pairs), "from": [str(f) for f in files[0][:2]]}
+    for k, side in enumerate(("src", "tgt")):
+        path = out / f"{name}.{side}.txt"
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(pair[k] + "\n" for pair in pairs), encoding="utf-8")
+        os.replace(tmp, path)
+        entry[side] = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+    return entry
+
+
 def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 8000, *,
+            val_files=None, test_files=None,
             tokenizer: Tokenizer | str | os.PathLike | None = None,
             sample_sentences: int = 1_000_000, shard_pairs: int = 1_000_000,
             chunk_pairs: int = 20_000, seed: int = 0, quiet: bool = False) -> Path:
@@ -165,12 +190,16 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
     file aligned with the i-th target file. The tokenizer is trained (`vocab_size`) on a
     sample of `sample_sentences` sentences, or given (a `Tokenizer` or a `.model` file). Each
     pair is encoded as chapter 8's `make_examples` does, `(x EOS, BOS y EOS)`; pairs with an
-    empty side are skipped, as appendix A does. Memory: one chunk of `chunk_pairs` pairs as
-    Python lists, one shard of `shard_pairs` pairs as numpy arrays, the sample's strings."""
+    empty side are skipped, as appendix A does. `val_files`, `test_files`: optional
+    `(source file, target file)` of held-out pairs, kept as text for validation and scoring.
+    Memory: one chunk of `chunk_pairs` pairs as Python lists, one shard of `shard_pairs` pairs
+    as numpy arrays, the sample's strings."""
     for name, value in (("vocab_size", vocab_size), ("sample_sentences", sample_sentences),
                         ("shard_pairs", shard_pairs), ("chunk_pairs", chunk_pairs)):
         _positive(name, value)
     files = aligned_files(src_files, tgt_files)
+    held_out = {name: _held_out(name, f) for name, f in zip(SPLITS, (val_files, test_files),
+                                                            strict=True) if f is not None}
     lines = sum(n for *_, n in files)
     if lines == 0:
         raise DataError(f"empty corpus: {', '.join(str(f) for f in files[0][:2])} hold no lines")
@@ -185,6 +214,7 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
         tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
         trained_on = "given"
     tokenizer.save(out / TOKENIZER_FILE)
+    splits = {name: _write_split(out, name, pair) for name, pair in held_out.items()}
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
     shards, parts, in_shard = [], [], 0
     pairs = stream_pairs(files)
@@ -213,7 +243,7 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
         "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
         "tokenizer": {"name": TOKENIZER_FILE, "sha256": sha256_file(out / TOKENIZER_FILE),
                       "trained_on": trained_on, "sample_sentences": sample_sentences},
-        "shard_pairs": shard_pairs, "shards": shards}
+        "shard_pairs": shard_pairs, "shards": shards, "splits": splits}
     tmp = out / (MANIFEST + ".tmp")
     tmp.write_text(json.dumps(manifest, indent=1) + "\n")
     os.replace(tmp, out / MANIFEST)
@@ -229,10 +259,13 @@ class ShardedCorpus:
     """A corpus written by `prepare`, opened without reading it: each shard's token arrays are
     memory-mapped (numpy, `mmap_mode="r"`); only the lengths of every pair are held (two int32
     arrays). `verify` checks every file's sha256 against the manifest (sizes are always checked).
+    `max_len` leaves out the pairs with a side longer than it, as `make_examples` does.
     `corpus[i]` is pair i's `(source ids, target ids)`, so chapter 8's `collate(corpus, indices)`
-    works on it as on `make_examples`' list."""
+    works on it as on `make_examples`' list; `corpus.collate(indices)` gives the same tensors
+    faster, and the training loop (appendix E.2) uses it and `epoch_batches`."""
 
-    def __init__(self, out_dir: str | os.PathLike, verify: bool = True):
+    def __init__(self, out_dir: str | os.PathLike, verify: bool = True,
+                 max_len: int | None = None):
         self.dir = Path(out_dir)
         path = self.dir / MANIFEST
         if not path.is_file():
@@ -270,6 +303,15 @@ class ShardedCorpus:
         self.starts = np.cumsum([0] + [s["pairs"] for s in shards])    # shard k holds starts[k]:starts[k+1]
         self.src_lengths = np.concatenate([ix[:, 1] for ix in self.index]).astype(np.int32)
         self.tgt_lengths = np.concatenate([ix[:, 3] for ix in self.index]).astype(np.int32)
+        self.keep = None                                # pair i is stored pair keep[i]
+        if max_len is not None:
+            keep = np.flatnonzero(np.maximum(self.src_lengths, self.tgt_lengths) <= max_len)
+            if len(keep) < len(self.src_lengths):
+                warnings.warn(f"dropped {len(self.src_lengths) - len(keep)} of "
+                              f"{len(self.src_lengths)} pairs longer than {max_len} tokens",
+                              stacklevel=2)
+                self.keep = keep
+                self.src_lengths, self.tgt_lengths = self.src_lengths[keep], self.tgt_lengths[keep]
 
     @staticmethod
     def _check(file: Path, want: dict, verify: bool) -> None:
@@ -283,7 +325,7 @@ class ShardedCorpus:
             raise _damaged(file, "its sha256 differs from the manifest's (altered)")
 
     def __len__(self) -> int:
-        return int(self.starts[-1])
+        return len(self.src_lengths)
 
     def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
         return self.pair(i)
@@ -293,9 +335,49 @@ class ShardedCorpus:
         if not -len(self) <= i < len(self):
             raise IndexError(f"pair {i} of a corpus of {len(self)} pairs")
         i = int(i) % len(self)
+        i = i if self.keep is None else int(self.keep[i])
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         so, sl, to, tl = self.index[k][i - self.starts[k]].tolist()
         return self.src[k][so:so + sl].tolist(), self.tgt[k][to:to + tl].tolist()
+
+    def collate(self, indices, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chapter 8's `collate(self, indices)`: padded `src (B, S)` and `tgt (B, T)` ids, read
+        with a few numpy gathers per shard instead of a Python loop over the pairs."""
+        raw = np.asarray(indices, dtype=np.int64)
+        raw = raw if self.keep is None else self.keep[raw]
+        shard = np.searchsorted(self.starts, raw, side="right") - 1
+        rows = np.empty((len(raw), 4), np.int64)       # offsets and lengths, in batch order
+        for k in np.unique(shard):
+            at = shard == k
+            rows[at] = self.index[k][raw[at] - self.starts[k]]
+        out = []
+        for tokens, col in ((self.src, 0), (self.tgt, 2)):
+            offset, length = rows[:, col], rows[:, col + 1]
+            width = np.arange(int(length.max()))
+            ids = np.full((len(raw), len(width)), PAD, np.int64)
+            for k in np.unique(shard):
+                at = np.flatnonzero(shard == k)
+                where = np.minimum(offset[at, None] + width, len(tokens[k]) - 1)
+                ids[at] = np.where(width < length[at, None], tokens[k][where], PAD)
+            out.append(torch.from_numpy(ids).to(device, non_blocking=True))
+        return out[0], out[1]
+
+    def split(self, name: str) -> list[tuple[str, str]]:
+        "The held-out `(source, target)` text pairs `prepare` kept as `name` (`val`, `test`)."
+        if name not in self.manifest.get("splits", {}):
+            flag = "--val-files" if name == "val" else "--test-files"
+            raise DataError(f"{self.dir} holds no {name} pairs; run prepare again with "
+                            f"{flag} SRC TGT")
+        want, sides = self.manifest["splits"][name], []
+        for side in ("src", "tgt"):
+            file = self.dir / want[side]["name"]
+            self._check(file, want[side], True)
+            sides.append(file.read_text(encoding="utf-8").splitlines())
+        return list(zip(*sides, strict=True))
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["vocab_size"])
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -367,7 +449,8 @@ def epoch_length_batches(src_lens, tgt_lens, batch_tokens: int, seed: int, epoch
 # %% ../../book/a_1_prepare.ipynb #a1-014
 def main(argv: Sequence[str] | None = None) -> int:
     """`python -m transformer prepare --src-files F [F ...] --tgt-files F [F ...] --out DIR
-    [--vocab-size N] [--tokenizer PATH]`; returns the exit code (a bad input: one line, 1)."""
+    [--val-files SRC TGT] [--test-files SRC TGT] [--vocab-size N] [--tokenizer PATH]`; returns
+    the exit code (a bad input: one line, 1)."""
     p = argparse.ArgumentParser(prog="python -m transformer prepare",
                                 description="Tokenize a parallel corpus once into memory-mapped "
                                             "shards that training streams.")
@@ -376,6 +459,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tgt-files", nargs="+", required=True, metavar="F",
                    help="target-language files, aligned line by line with --src-files")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
+    p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"),
+                   help="validation pairs, kept as text (train --data DIR validates on them)")
+    p.add_argument("--test-files", nargs=2, metavar=("SRC", "TGT"),
+                   help="test pairs, kept as text (train --data DIR scores them at the end)")
     p.add_argument("--vocab-size", type=int, default=8000, metavar="N")
     p.add_argument("--tokenizer", metavar="PATH", help="a tokenizer .model to use, not train")
     p.add_argument("--sample-sentences", type=int, default=1_000_000, metavar="N",
@@ -385,6 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         out = prepare(args.src_files, args.tgt_files, args.out, args.vocab_size,
+                      val_files=args.val_files, test_files=args.test_files,
                       tokenizer=args.tokenizer, sample_sentences=args.sample_sentences,
                       shard_pairs=args.shard_pairs, quiet=args.quiet)
         corpus = ShardedCorpus(out, verify=False)

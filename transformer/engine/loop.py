@@ -58,8 +58,8 @@ from transformer.training import (
 )
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'merge_children', 'SubwordDropout', 'average_checkpoints',
-           'averaging_windows', 'final_evaluation']
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'merge_children', 'SubwordDropout',
+           'average_checkpoints', 'averaging_windows', 'final_evaluation']
 
 # %% ../../book/e_2_loop.ipynb #c030
 @dataclass
@@ -87,7 +87,14 @@ class TrainResult:
 
 def check_examples(examples, config: TransformerConfig, name: str) -> None:
     """Every id of `(src_ids, tgt_ids)` examples inside its vocabulary: checked once,
-    here, so that the training step need not read its data back from the device."""
+    here, so that the training step need not read its data back from the device. A
+    prepared corpus (appendix A.1) holds ids its tokenizer wrote: its vocabulary must fit."""
+    if hasattr(examples, "vocab_size"):
+        if examples.vocab_size > min(config.src_vocab, config.tgt_vocab):
+            raise ValueError(f"{name}: the prepared corpus has a vocabulary of "
+                             f"{examples.vocab_size}, the model {config.src_vocab} (source) "
+                             f"and {config.tgt_vocab} (target); build the model with its size")
+        return
     for i, (src, tgt) in enumerate(examples):
         for side, ids, vocab in (("source", src, config.src_vocab),
                                  ("target", tgt, config.tgt_vocab)):
@@ -114,12 +121,19 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     for piece in pieces[rank::world_size]:
         with precision.autocast():
             loss, nll = criterion(*collate(examples, piece, device))
-        n += sum(len(examples[i][1]) - 1 for i in piece)
+        n += target_tokens(examples, [piece])
         total += torch.stack([loss.double(), nll.double()])
     model.train(was_training)
     loss, nll, n = all_sum(torch.cat([total, total.new_full((1,), n)])).tolist()
     return {"val_loss": loss / n, "val_nll": nll / n,
             "val_ppl": math.exp(min(nll / n, 50.0))}
+
+
+def target_tokens(examples, pieces) -> int:
+    "The real target tokens the loss counts in `pieces` (index lists): `BOS y EOS` less one."
+    if hasattr(examples, "tgt_lengths"):          # a prepared corpus: from its lengths
+        return sum(int(examples.tgt_lengths[p].sum()) - len(p) for p in pieces)
+    return sum(len(examples[i][1]) - 1 for piece in pieces for i in piece)
 
 
 def _round(record: dict) -> dict:
@@ -133,7 +147,8 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
           run: dict | None = None) -> TrainResult:
     """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a
-    list, or a function of the epoch that returns that epoch's list (`SubwordDropout`).
+    list, a function of the epoch that returns that epoch's list (`SubwordDropout`), or a
+    prepared corpus (appendix A.1's `ShardedCorpus`, batched from its lengths).
 
     Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the
     directory's `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`,
@@ -229,7 +244,9 @@ class _Loop:
         c, epoch, index = self.config, self.at["epoch"], self.at["batch"]
         while True:
             examples = self.examples_of(epoch)
-            steps = epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces)
+            steps = (examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
+                     if hasattr(examples, "epoch_batches")       # a prepared corpus
+                     else epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces))
             if not steps:
                 raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
                                  f"from {len(examples)} examples in "
@@ -242,7 +259,8 @@ class _Loop:
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
         examples, mine = item[-2], my_pieces(item[-1], self.rank, self.world_size)
-        return [t for piece in mine for t in collate(examples, piece)]
+        batch = getattr(examples, "collate", None) or (lambda piece: collate(examples, piece))
+        return [t for piece in mine for t in batch(piece)]
 
     def run(self, resume: bool) -> TrainResult:
         "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
@@ -304,8 +322,7 @@ class _Loop:
         """One optimizer step on this process's pieces of a global batch (`step_pieces`,
         index lists into `examples`); returns the learning rate. Nothing here waits for
         the device."""
-        c, n = self.config, sum(len(examples[i][1]) - 1
-                                for piece in step_pieces for i in piece)
+        c, n = self.config, target_tokens(examples, step_pieces)
         # the dropout masks of this step depend on (seed, step, rank) alone
         torch.manual_seed(c.seed * 1_000_003 + self.at["step"] * 1_009 + self.rank)
         self.model.train()
