@@ -56,8 +56,7 @@ class LearnedPositionalEmbedding(nn.Module):
 
 
 class NoPositions(PositionalEncoding):
-    """No position at all, the control of the experiment: `dropout(x)`. Its `pe` is a
-    table of zeros, so code that reads positions works unchanged."""
+    "No position, the experiment's control: `dropout(x)`, with a `pe` table of zeros."
     def __init__(self, d_model: int, dropout: float = 0.0, max_len: int = 5000):
         super().__init__(d_model, dropout, max_len)
         self.pe.zero_()
