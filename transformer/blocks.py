@@ -33,9 +33,8 @@ def residual(x: torch.Tensor, sublayer, norm: nn.Module, dropout: nn.Module,
 
 # %% ../book/06_blocks.ipynb #c016
 class EncoderLayer(nn.Module):
-    """Self-attention then FFN, each wrapped by `residual`. `dropout` is the paper's
-    residual dropout; `attention_dropout` (on the attention weights) and `ffn_dropout`
-    (on the FFN's hidden units) are tensor2tensor's extras, off by default."""
+    """Self-attention then FFN, each wrapped by `residual`. `dropout`: the paper's; tensor2tensor's
+    `attention_dropout` (attention weights) and `ffn_dropout` (FFN hidden units): off by default."""
     def __init__(self, d_model: int, h: int, d_ff: int, dropout: float = 0.1,
                  norm_first: bool = False, attention_dropout: float = 0.0,
                  ffn_dropout: float = 0.0, d_k: int | None = None):
@@ -72,9 +71,8 @@ class DecoderLayer(nn.Module):
                 tgt_mask: torch.Tensor | None = None,
                 memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False, cache=None) -> torch.Tensor:
-        """y (B, T, d_model), memory (B, S, d_model). `tgt_is_causal=True` (with
-        `tgt_mask=None`): the causal mask as a flag for the fast kernel. cache: a pair of
-        `KVCache` objects, self- and cross-attention (chapter 9)."""
+        """y (B, T, d_model), memory (B, S, d_model). `tgt_is_causal`: the causal mask as a flag
+        (with `tgt_mask=None`). cache: a pair of `KVCache`s, self- and cross-attention (ch. 9)."""
         self_cache, cross_cache = cache or (None, None)
         y = residual(y, lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal,
                                                  cache=self_cache)[0],
@@ -86,9 +84,9 @@ class DecoderLayer(nn.Module):
 
 # %% ../book/06_blocks.ipynb #c023
 class Encoder(nn.Module):
-    "N encoder layers; a final LayerNorm only for pre-LN (post-LN layers end in one)."
+    """N encoder layers (`*args, **kwargs`: `EncoderLayer`'s after d_ff); a final LayerNorm only
+    for pre-LN (post-LN layers end in one)."""
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, *args, **kwargs):
-        "*args, **kwargs: `EncoderLayer`'s after d_ff (dropout, norm_first, ...)."
         super().__init__()
         self.layers = nn.ModuleList(EncoderLayer(d_model, h, d_ff, *args, **kwargs)
                                     for _ in range(n_layers))
@@ -101,9 +99,9 @@ class Encoder(nn.Module):
 
 # %% ../book/06_blocks.ipynb #c024
 class Decoder(nn.Module):
-    "N decoder layers over the same memory; a final LayerNorm only for pre-LN."
+    """N decoder layers over the same memory (`*args, **kwargs`: `DecoderLayer`'s after d_ff);
+    a final LayerNorm only for pre-LN."""
     def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, *args, **kwargs):
-        "*args, **kwargs: `DecoderLayer`'s after d_ff (dropout, norm_first, ...)."
         super().__init__()
         self.layers = nn.ModuleList(DecoderLayer(d_model, h, d_ff, *args, **kwargs)
                                     for _ in range(n_layers))
