@@ -229,6 +229,7 @@ def test_model_from_checkpoint_rejects_a_broken_config(tmp_path):
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(batch_tokens=0), "batch_tokens=0"),
+    (dict(warmup=0), "warmup=0"),                    # the boundary that lets `rate` trust its warmup
     (dict(max_steps=2.5), "max_steps=2.5"),
     (dict(lr_scale=0), "lr_scale=0"),
     (dict(label_smoothing=1.0), "label_smoothing=1.0"),

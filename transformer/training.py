@@ -23,13 +23,11 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
                        pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Label-smoothed cross-entropy (section 5.4) and plain NLL, each *summed* over the
     non-pad targets: logits (..., V), target (...)."""
-    if (isinstance(epsilon, bool) or not isinstance(epsilon, (int, float))
-            or not 0.0 <= epsilon < 1.0):
+    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < 1:
         raise ValueError(f"epsilon={epsilon!r} must be a float in [0, 1)")
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target "
-                         f"of shape {tuple(target.shape)}; "
-                         "expected logits of shape target.shape + (V,)")
+        raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target of shape "
+                         f"{tuple(target.shape)}; expected target.shape + (V,)")
     z = logits.flatten(0, -2)                                 # (n, V)
     z = z.to(torch.promote_types(z.dtype, torch.float32))     # bf16 logits: the loss in float32
     y = target.flatten()                                      # (n,)
@@ -43,10 +41,7 @@ def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> flo
     """Equation (3): linear warm-up for `warmup` steps, then 1/sqrt(step) decay,
     times `scale`."""
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"step={step!r} must be an int >= 1 "
-                         "(the first update is step 1)")
-    if warmup < 1 or d_model < 1:
-        raise ValueError(f"warmup={warmup} and d_model={d_model} must be >= 1")
+        raise ValueError(f"step={step!r} must be an int >= 1 (the first update is step 1)")
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 
 # %% ../book/08_training.ipynb #c016
@@ -167,16 +162,13 @@ class TrainConfig:
             return isinstance(v, int) and not isinstance(v, bool) and v >= low
         checks = [(name, whole(getattr(self, name), 1), "an int >= 1") for name in (
             "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
+        checks += [(name, 0 <= getattr(self, name) < 1, "in [0, 1)") for name in (
+            "beta1", "beta2", "label_smoothing", "subword_dropout")]
+        checks += [(name, getattr(self, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
         checks += [
             ("keep_checkpoints", whole(self.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
             ("snapshot_every", self.snapshot_every is None or whole(self.snapshot_every, 1),
              "an int >= 1 or None (= eval_every)"),
-            ("lr_scale", self.lr_scale > 0, "> 0"),
-            ("beta1", 0 <= self.beta1 < 1, "in [0, 1)"),
-            ("beta2", 0 <= self.beta2 < 1, "in [0, 1)"),
-            ("adam_eps", self.adam_eps > 0, "> 0"),
-            ("label_smoothing", 0 <= self.label_smoothing < 1, "in [0, 1)"),
-            ("subword_dropout", 0 <= self.subword_dropout < 1, "in [0, 1)"),
             ("clip_norm", self.clip_norm is None or self.clip_norm > 0, "> 0 or None"),
             ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0 or None")]
         for name, ok, rule in checks:
