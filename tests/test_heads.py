@@ -235,6 +235,18 @@ def test_broadcastable_masks_are_accepted():
         check(m(q, kv, kv, torch.ones(shape, dtype=torch.bool))[0], full)
 
 
+def test_a_mask_with_a_head_axis_hides_a_key_from_one_head_on_both_paths():
+    "A (1, h, 1, T_k) mask: head 0 loses key 2, the other heads are untouched; fast == teaching path."
+    m = MultiHeadAttention(16, 4).double()
+    q = x(2, 5)
+    mask = torch.ones(1, 4, 1, 5, dtype=torch.bool)
+    mask[:, 0, :, 2] = False
+    _, w = m(q, q, q, need_weights=True)
+    slow, w_masked = m(q, q, q, mask=mask, need_weights=True)
+    assert (w_masked[:, 0, :, 2] == 0).all() and torch.equal(w_masked[:, 1:], w[:, 1:])
+    check(m(q, q, q, mask=mask)[0], slow)
+
+
 # ---- d_k apart from d_model / h (Table 3, row B) ----------------------------------------------------
 
 def by_the_book(m: MultiHeadAttention, query, key, value, mask=None):

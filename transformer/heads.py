@@ -22,14 +22,11 @@ def merge_heads(x: Tensor) -> Tensor:
 
 
 class MultiHeadAttention(nn.Module):
-    """Multi-head attention (section 3.2.2): h heads, each with its own projections
-    W_i^Q, W_i^K, W_i^V (the h blocks of rows of `w_q`, `w_k`, `w_v`), concatenated and
-    mixed by `w_o`. d_k = d_v = d_model / h; `d_k` narrows queries and keys alone.
-    forward(query (B, T_q, d_model), key (B, T_k, d_model), value (B, T_k, d_model),
-    mask=None, need_weights=False, is_causal=False, cache=None)
-    -> (output (B, T_q, d_model), per-head weights (B, h, T_q, T_k) or None).
-    mask: bool, broadcastable to (B, h, T_q, T_k), True = may attend. cache: chapter 9's
-    `KVCache`, the keys and values of earlier calls (decoding one token at a time)."""
+    """Multi-head attention (section 3.2.2): head i's W_i^Q, W_i^K, W_i^V are the i-th blocks
+    of rows of `w_q`, `w_k`, `w_v`; the heads are concatenated and mixed by `w_o`. d_k = d_v =
+    d_model / h (`d_k` narrows queries and keys alone). forward -> (output (B, T_q, d_model),
+    weights (B, h, T_q, T_k) or None); mask: bool, broadcastable to (B, h, T_q, T_k), True =
+    may attend; cache: chapter 9's `KVCache` (decoding one token at a time)."""
 
     def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True,
                  d_k: int | None = None):
