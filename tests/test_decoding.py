@@ -157,6 +157,18 @@ def test_translate_text_to_text_keeps_order_and_handles_empty(random_model, word
     assert translate(model, words, texts, beam_size=1) == out
 
 
+def test_translate_cuts_a_source_longer_than_max_len_with_a_warning(words):
+    "translate's checks live in appendix D.2 (`_source_ids`): a long source is cut to max_len, EOS kept."
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=56, tgt_vocab=56, d_model=32, d_ff=64, h=4, n_layers=1,
+                                          dropout=0.0, max_len=8)).eval()
+    long = " ".join(["one two"] * 10)                                  # 20 words, more than 8 tokens
+    with pytest.warns(UserWarning, match=r"1 source\(s\) longer than max_len=8 tokens were cut"):
+        out = translate(model, words, [long, "one"])
+    cut = words.encode(long, eos=True)[:7] + [EOS]
+    assert out[0] == words.decode(greedy_search(model, torch.tensor([cut]))[0])
+
+
 @pytest.mark.parametrize("call, error, match", [
     (lambda m, t: greedy_search(m, torch.tensor([4, 5, 6])), ValueError, r"\(B, S\)"),
     (lambda m, t: greedy_search(m, torch.zeros(0, 3, dtype=torch.long)), ValueError, "non-empty"),

@@ -3,9 +3,6 @@
 # %% ../book/09_decoding.ipynb #c002
 from __future__ import annotations
 
-import math
-import warnings
-
 import torch
 
 from .masking import causal_mask, padding_mask
@@ -13,7 +10,7 @@ from .model import Transformer
 from .tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 
 # %% auto #0
-__all__ = ['length_penalty', 'PrefixDecoder', 'greedy_search', 'beam_search', 'translate', 'KVCache', 'CachedDecoder']
+__all__ = ['length_penalty', 'PrefixDecoder', 'greedy_search', 'translate', 'KVCache', 'CachedDecoder', 'beam_search']
 
 # %% ../book/09_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
@@ -24,26 +21,14 @@ def length_penalty(length: int, alpha: float = 0.6) -> float:
 def _output_limits(model: Transformer, src: torch.Tensor, extra_len: int) -> list[int]:
     ("How many tokens (EOS included) each output may have: "
      "source length + extra_len, within max_len.")
-    if (not isinstance(src, torch.Tensor) or src.dim() != 2 or src.size(0) == 0
-            or src.size(1) == 0):
-        shape = (tuple(src.shape) if isinstance(src, torch.Tensor)
-                 else type(src).__name__)
-        raise ValueError("src must be a non-empty (B, S) tensor of token ids, "
-                         f"got {shape}")
-    if isinstance(extra_len, bool) or not isinstance(extra_len, int) or extra_len < 0:
-        raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
+    _check_source(src, extra_len)                           # appendix D.2
     lengths = (src != model.config.pad_id).sum(1).tolist()  # (B,) real source tokens
     return [max(1, min(n + extra_len, model.config.max_len - 1)) for n in lengths]
 
 
 def _until_eos(ids: list[int]) -> list[int]:
-    out = []
-    for i in ids:
-        if i == EOS:
-            break
-        if i != PAD:
-            out.append(i)
-    return out
+    "The ids before the first EOS, without PAD."
+    return [i for i in (ids[:ids.index(EOS)] if EOS in ids else ids) if i != PAD]
 
 # %% ../book/09_decoding.ipynb #c007
 class PrefixDecoder:
@@ -98,100 +83,12 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
             break
     return [_until_eos(row) for row in ys[:, 1:].tolist()]
 
-# %% ../book/09_decoding.ipynb #c011
-@torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
-                alpha: float = 0.6, extra_len: int = 50,
-                cache: bool = True) -> list[list[int]]:
-    ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
-     "B lists of output ids.")
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
-    if not alpha >= 0:
-        raise ValueError(f"alpha={alpha!r} must be >= 0")
-    limits = _output_limits(model, src, extra_len)
-    K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
-    # encoder once, K rows per sentence
-    state = _start(model, src, K, cache, max(limits))
-    limit = torch.tensor(limits, device=device)                          # (B,)
-    ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
-    # (B, K) log P of each hypothesis; one live hypothesis at the start
-    scores = torch.full((B, K), -math.inf, device=device)
-    scores[:, 0] = 0.0
-    # the best finished hypothesis of each sentence: normalised score and tokens
-    best = torch.full((B,), -math.inf, dtype=torch.float64, device=device)
-    best_ys = torch.full((B, max(limits)), pad, dtype=torch.long, device=device)
-    ended = torch.zeros(B, dtype=torch.long, device=device)   # hypotheses finished
-    done = torch.zeros(B, dtype=torch.bool, device=device)
-    first_row = torch.arange(B, device=device)[:, None] * K              # (B, 1)
-    for t in range(max(limits)):
-        logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
-        V = logp.size(-1)
-        cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
-        top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
-        beam, token = flat // V, flat % V
-        keep, finish = _beam_step(top, token, done, t + 1 >= limit, K)
-        # the best hypothesis that finished now; a tie keeps the earlier one
-        now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
-               ).masked_fill(~finish, -math.inf)                         # (B, 4K)
-        now_best, at = now.max(-1)
-        better = now_best > best
-        prefix = ys[(first_row + beam).gather(1, at[:, None] % top.size(1)).squeeze(1)]
-        last = torch.where(at >= top.size(1), token.gather(
-            1, at[:, None] % top.size(1)).squeeze(1), pad)  # an EOS is not kept
-        best_ys[:, :t + 1] = torch.where(
-            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
-            best_ys[:, :t + 1])
-        best = torch.where(better, now_best, best)
-        ended += finish.sum(-1)
-        done |= (ended >= K) | ~keep.any(-1)
-        if bool(done.all()):
-            break
-        # the kept extensions fill each sentence's K rows in order; the rest idle
-        slot = torch.where(keep, keep.long().cumsum(-1) - 1, K)          # (B, 2K)
-        new = [torch.full((B, K + 1), fill, dtype=x.dtype, device=device
-                          ).scatter_(1, slot, x)[:, :K].contiguous()
-               for x, fill in ((beam, 0), (token, pad), (top, -math.inf))]
-        rows = (first_row + new[0]).view(-1)                             # (B*K,)
-        ys = torch.cat([ys[rows], new[1].view(-1, 1)], dim=1)            # (B*K, t+2)
-        state.reorder(rows)
-        scores = new[2]
-    return [_until_eos(row) if score > -math.inf else []
-            for row, score in zip(best_ys.tolist(), best.tolist())]
-
-
-def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
-               full: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the 2K best extensions (B, 2K) of each sentence go on (`keep`: the K
-    best that are not EOS, none once the output is `full`) and which finish (B, 4K):
-    an EOS among the top K, then, when the output is full, the kept ones."""
-    live = torch.isfinite(top) & ~done[:, None]
-    eos = live & (token == EOS)
-    keep = live & ~eos
-    keep &= keep.long().cumsum(-1) <= K
-    first_k = torch.arange(top.size(1), device=top.device) < K
-    at_limit = keep & full[:, None]
-    return keep & ~full[:, None], torch.cat([eos & first_k, at_limit], 1)
-
 # %% ../book/09_decoding.ipynb #c013
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
               beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
               batch_size: int = 64) -> list[str]:
     "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4."
-    if isinstance(texts, str):
-        raise TypeError("texts must be a list of sentences; "
-                        "wrap a single sentence in a list: [text]")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
-    if tokenizer.vocab_size != model.config.src_vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the "
-                         f"model expects src_vocab={model.config.src_vocab}; "
-                         "use the tokenizer the model was trained with")
-    ids, limit = tokenizer.encode_batch(list(texts), eos=True), model.config.max_len
-    if any(len(x) > limit for x in ids):
-        warnings.warn(f"{sum(len(x) > limit for x in ids)} source(s) longer than "
-                      f"max_len={limit} tokens were cut to that length", stacklevel=2)
-        ids = [x if len(x) <= limit else x[:limit - 1] + [EOS] for x in ids]
+    ids = _source_ids(model, tokenizer, texts, batch_size)   # checked, within max_len: D.2
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     was_training = model.training
@@ -282,3 +179,110 @@ class CachedDecoder:
         for pair in self.caches:
             for cache in pair:
                 cache.reorder(index)
+
+
+# %% ../book/d_2_fast.ipynb #bs000a
+import math
+import warnings
+
+# %% ../book/d_2_fast.ipynb #bs001
+@torch.no_grad()
+def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
+                alpha: float = 0.6, extra_len: int = 50,
+                cache: bool = True) -> list[list[int]]:
+    ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
+     "B lists of output ids.")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
+    if not alpha >= 0:
+        raise ValueError(f"alpha={alpha!r} must be >= 0")
+    limits = _output_limits(model, src, extra_len)
+    K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
+    # encoder once, K rows per sentence
+    state = _start(model, src, K, cache, max(limits))
+    limit = torch.tensor(limits, device=device)                          # (B,)
+    ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
+    # (B, K) log P of each hypothesis; one live hypothesis at the start
+    scores = torch.full((B, K), -math.inf, device=device)
+    scores[:, 0] = 0.0
+    # the best finished hypothesis of each sentence: normalised score and tokens
+    best = torch.full((B,), -math.inf, dtype=torch.float64, device=device)
+    best_ys = torch.full((B, max(limits)), pad, dtype=torch.long, device=device)
+    ended = torch.zeros(B, dtype=torch.long, device=device)   # hypotheses finished
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    first_row = torch.arange(B, device=device)[:, None] * K              # (B, 1)
+    for t in range(max(limits)):
+        logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
+        V = logp.size(-1)
+        cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
+        top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
+        beam, token = flat // V, flat % V
+        keep, finish = _beam_step(top, token, done, t + 1 >= limit, K)
+        # the best hypothesis that finished now; a tie keeps the earlier one
+        now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
+               ).masked_fill(~finish, -math.inf)                         # (B, 4K)
+        now_best, at = now.max(-1)
+        better = now_best > best
+        prefix = ys[(first_row + beam).gather(1, at[:, None] % top.size(1)).squeeze(1)]
+        last = torch.where(at >= top.size(1), token.gather(
+            1, at[:, None] % top.size(1)).squeeze(1), pad)  # an EOS is not kept
+        best_ys[:, :t + 1] = torch.where(
+            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
+            best_ys[:, :t + 1])
+        best = torch.where(better, now_best, best)
+        ended += finish.sum(-1)
+        done |= (ended >= K) | ~keep.any(-1)
+        if bool(done.all()):
+            break
+        # the kept extensions fill each sentence's K rows in order; the rest idle
+        slot = torch.where(keep, keep.long().cumsum(-1) - 1, K)          # (B, 2K)
+        new = [torch.full((B, K + 1), fill, dtype=x.dtype, device=device
+                          ).scatter_(1, slot, x)[:, :K].contiguous()
+               for x, fill in ((beam, 0), (token, pad), (top, -math.inf))]
+        rows = (first_row + new[0]).view(-1)                             # (B*K,)
+        ys = torch.cat([ys[rows], new[1].view(-1, 1)], dim=1)            # (B*K, t+2)
+        state.reorder(rows)
+        scores = new[2]
+    return [_until_eos(row) if score > -math.inf else []
+            for row, score in zip(best_ys.tolist(), best.tolist())]
+
+
+def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
+               full: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the 2K best extensions (B, 2K) of each sentence go on (`keep`: the K
+    best that are not EOS, none once the output is `full`) and which finish (B, 4K):
+    an EOS among the top K, then, when the output is full, the kept ones."""
+    live = torch.isfinite(top) & ~done[:, None]
+    eos = live & (token == EOS)
+    keep = live & ~eos
+    keep &= keep.long().cumsum(-1) <= K
+    first_k = torch.arange(top.size(1), device=top.device) < K
+    at_limit = keep & full[:, None]
+    return keep & ~full[:, None], torch.cat([eos & first_k, at_limit], 1)
+
+
+def _source_ids(model: Transformer, tokenizer: Tokenizer, texts: list[str],
+                batch_size: int) -> list[list[int]]:
+    "`translate`'s input checks: source ids `x EOS` of `texts`, cut to the model's max_len."
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of sentences; wrap one in a list: [text]")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    if tokenizer.vocab_size != model.config.src_vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model expects "
+                         f"src_vocab={model.config.src_vocab}; use the one it was trained with")
+    ids, limit = tokenizer.encode_batch(list(texts), eos=True), model.config.max_len
+    if any(len(x) > limit for x in ids):
+        warnings.warn(f"{sum(len(x) > limit for x in ids)} source(s) longer than "
+                      f"max_len={limit} tokens were cut to that length", stacklevel=3)
+        ids = [x if len(x) <= limit else x[:limit - 1] + [EOS] for x in ids]
+    return ids
+
+
+def _check_source(src: torch.Tensor, extra_len: int) -> None:
+    "The searches' input checks: a non-empty (B, S) tensor of ids, an int extra_len >= 0."
+    if not isinstance(src, torch.Tensor) or src.dim() != 2 or 0 in src.shape:
+        got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+        raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {got}")
+    if isinstance(extra_len, bool) or not isinstance(extra_len, int) or extra_len < 0:
+        raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")

@@ -3,7 +3,7 @@
 # %% ../book/10_evaluation.ipynb #c002
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
@@ -15,27 +15,9 @@ from .tokens import Tokenizer
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']
 
 # %% ../book/10_evaluation.ipynb #c008
-def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
-    for name, xs in (("hyps", hyps), ("refs", refs)):
-        if isinstance(xs, str):
-            raise TypeError(f"{name} must be a list of sentences, not a single string; "
-                            "wrap it in a list")
-        bad = [i for i, x in enumerate(xs) if not isinstance(x, str)]
-        if bad:
-            raise TypeError(
-                f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
-    hyps, refs = list(hyps), list(refs)
-    if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; "
-                         "they must pair up line by line")
-    if not hyps:
-        raise ValueError("no sentences to score: hyps and refs are empty")
-    return hyps, refs
-
-
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     "sacreBLEU's default corpus BLEU: cased, 13a tokenization of detokenized text."
-    hyps, refs = _check(hyps, refs)
+    hyps, refs = _check(hyps, refs)   # lists of strings that pair up (appendix D.2)
     return BLEU().corpus_score(hyps, [refs]).score
 
 
@@ -74,6 +56,25 @@ def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str
     return score(hyps, [r for _, r in pairs])
 
 
+# %% ../book/d_2_fast.ipynb #ev001
+from collections.abc import Callable
+
+
+def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
+    for name, xs in (("hyps", hyps), ("refs", refs)):
+        if isinstance(xs, str):
+            raise TypeError(f"{name} must be a list of sentences, not a single string")
+        bad = [i for i, x in enumerate(xs) if not isinstance(x, str)]
+        if bad:
+            raise TypeError(f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up")
+    if not hyps:
+        raise ValueError("no sentences to score: hyps and refs are empty")
+    return hyps, refs
+
+
 def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
                   beam_size: int = 1, alpha: float = 0.6
                   ) -> Callable[[Transformer, int], dict]:
@@ -85,18 +86,15 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
 
     def on_eval(model: Transformer, step: int) -> dict:
         shared = dist.is_available() and dist.is_initialized()
-        rank, world_size = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
-        if world_size == 1:
-            s = evaluate(model, tokenizer, pairs, beam_size=beam_size, alpha=alpha)
-        else:
-            sources = [src for src, _ in pairs[rank::world_size]]
-            mine = translate(model, tokenizer, sources, beam_size, alpha)
-            shares = [None] * world_size
-            dist.all_gather_object(shares, mine)    # rank r: pairs[r::world_size]
-            hyps = [""] * len(pairs)
-            for r, share in enumerate(shares):
-                hyps[r::world_size] = share
-            s = score(hyps, [ref for _, ref in pairs])
+        rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
+        mine = translate(model, tokenizer, [s for s, _ in pairs[rank::world]], beam_size, alpha)
+        shares = [mine] * world
+        if world > 1:
+            dist.all_gather_object(shares, mine)    # rank r: pairs[r::world]
+        hyps = [""] * len(pairs)
+        for r, share in enumerate(shares):
+            hyps[r::world] = share
+        s = score(hyps, [ref for _, ref in pairs])
         return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
 
     return on_eval
