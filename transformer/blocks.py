@@ -72,7 +72,7 @@ class DecoderLayer(nn.Module):
                 memory_mask: torch.Tensor | None = None,
                 tgt_is_causal: bool = False, cache=None) -> torch.Tensor:
         """y (B, T, d_model), memory (B, S, d_model). `tgt_is_causal`: the causal mask as a flag
-        (with `tgt_mask=None`). cache: a pair of `KVCache`s, self- and cross-attention (ch. 9)."""
+        (with `tgt_mask=None`). cache: a (self, cross) pair of `KVCache` objects (chapter 9)."""
         self_cache, cross_cache = cache or (None, None)
         y = residual(y, lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal,
                                                  cache=self_cache)[0],
