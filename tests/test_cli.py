@@ -921,15 +921,15 @@ def prepared_multi30k(multi30k, tmp_path_factory):
     return out
 
 
-SHORT = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "--eval-sentences", 8, "--beam", 1,
+ONSHARDS = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "--eval-sentences", 8, "--beam", 1,
          "--threads", 1, "--quiet", "--log-every", 1, "--average", 0]
 
 
 def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, tmp_path):
     "The same tokenizer, the same batches and losses, the same scores: one run from text, one from the shards."
-    code, _, err = run(*SHORT, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
+    code, _, err = run(*ONSHARDS, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
     assert code == 0, err
-    code, stdout, err = run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "shards")
+    code, stdout, err = run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "shards")
     assert code == 0, err
     assert f"pairs of {prepared_multi30k}" in stdout
     runs = [tmp_path / "text", tmp_path / "shards"]
@@ -947,7 +947,7 @@ def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k
 
 
 def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, tmp_path):
-    code, _, err = run(*SHORT, "--max-steps", 2, "--data", prepared_multi30k, "--out", tmp_path / "run",
+    code, _, err = run(*ONSHARDS, "--max-steps", 2, "--data", prepared_multi30k, "--out", tmp_path / "run",
                        "--eval-split", "val")
     assert code == 0, err
     other = tmp_path / "other"
@@ -955,9 +955,9 @@ def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, t
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["skipped"] = 1                                          # another corpus, as far as the run can tell
     (other / "manifest.json").write_text(json.dumps(manifest))
-    assert_one_line_error(*run(*SHORT, "--data", other, "--out", tmp_path / "run", "--resume",
+    assert_one_line_error(*run(*ONSHARDS, "--data", other, "--out", tmp_path / "run", "--resume",
                                "--eval-split", "val"), 1, "corpus_manifest_sha256=")
-    code, _, err = run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "run", "--resume",
+    code, _, err = run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "run", "--resume",
                        "--eval-split", "val")
     assert code == 0, err
 
@@ -968,7 +968,7 @@ def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, t
     (["--eval-split", "test_2016_flickr"], "names a Multi30k split"),
 ])
 def test_a_prepared_corpus_refuses_what_needs_text(prepared_multi30k, tmp_path, flags, match):
-    assert_one_line_error(*run(*SHORT, "--data", prepared_multi30k, "--out", tmp_path / "r", *flags), 1, match)
+    assert_one_line_error(*run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "r", *flags), 1, match)
     assert not (tmp_path / "r").exists()
 
 
@@ -985,4 +985,4 @@ def test_a_damaged_or_incomplete_prepared_corpus_is_one_line(prepared_multi30k, 
         del manifest["splits"]["val"]
         (corpus / "manifest.json").write_text(json.dumps(manifest))
         match = "holds no val pairs; run prepare again with --val-files SRC TGT"
-    assert_one_line_error(*run(*SHORT, "--data", corpus, "--out", tmp_path / "r"), 1, match)
+    assert_one_line_error(*run(*ONSHARDS, "--data", corpus, "--out", tmp_path / "r"), 1, match)

@@ -320,7 +320,7 @@ def test_commands_write_deterministic_default_names_in_the_current_directory(tmp
     code, stdout, err = run("attend", "--model", MODEL, "--kind", "encoder", "--layer", 1, "--head", 2, SENTENCE)
     assert code == 0 and err == "", err
     assert stdout == ("wrote attention-encoder-layer1-head2.png: encoder self-attention of "
-                      "'Ein Mann fährt Fahrrad.' -> 'A man riding a bicycle.'\n")
+                      "'Ein Mann fährt Fahrrad.' -> 'A man riding a bike.'\n")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["attention-cross.png", "attention-encoder-layer1-head2.png", "curves.png"]
     for name in names:
