@@ -15,8 +15,7 @@ from .model import Transformer, config_from_dict
 from .tokens import PAD, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
-__all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate',
-           'make_examples', 'Seq2SeqLoss', 'TrainConfig']
+__all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'TrainConfig', 'check_train_config']
 
 # %% ../book/08_training.ipynb #c005
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
@@ -158,22 +157,7 @@ class TrainConfig:
                  "snapshot_every")
 
     def __post_init__(self):
-        def whole(v, low):   # an int, not a bool, >= low
-            return isinstance(v, int) and not isinstance(v, bool) and v >= low
-        checks = [(name, whole(getattr(self, name), 1), "an int >= 1") for name in (
-            "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
-        checks += [(name, 0 <= getattr(self, name) < 1, "in [0, 1)") for name in (
-            "beta1", "beta2", "label_smoothing", "subword_dropout")]
-        checks += [(name, getattr(self, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
-        checks += [
-            ("keep_checkpoints", whole(self.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
-            ("snapshot_every", self.snapshot_every is None or whole(self.snapshot_every, 1),
-             "an int >= 1 or None (= eval_every)"),
-            ("clip_norm", self.clip_norm is None or self.clip_norm > 0, "> 0 or None"),
-            ("max_minutes", self.max_minutes is None or self.max_minutes > 0, "> 0 or None")]
-        for name, ok, rule in checks:
-            if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be {rule}")
+        check_train_config(self)    # every field in its range: appendix E.2
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TrainConfig":
@@ -185,3 +169,23 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return config_from_dict(cls, d)
+
+# %% ../book/e_2_loop.ipynb #t005d
+def check_train_config(c: TrainConfig) -> None:
+    "Every field of a `TrainConfig` in its range, or a `ValueError` naming the first that is not."
+    def whole(v, low):   # an int, not a bool, >= low
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+    checks = [(name, whole(getattr(c, name), 1), "an int >= 1") for name in (
+        "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
+    checks += [(name, 0 <= getattr(c, name) < 1, "in [0, 1)") for name in (
+        "beta1", "beta2", "label_smoothing", "subword_dropout")]
+    checks += [(name, getattr(c, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
+    checks += [
+        ("keep_checkpoints", whole(c.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
+        ("snapshot_every", c.snapshot_every is None or whole(c.snapshot_every, 1),
+         "an int >= 1 or None (= eval_every)"),
+        ("clip_norm", c.clip_norm is None or c.clip_norm > 0, "> 0 or None"),
+        ("max_minutes", c.max_minutes is None or c.max_minutes > 0, "> 0 or None")]
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name}={getattr(c, name)!r} must be {rule}")
