@@ -10,6 +10,7 @@ import random
 import sys
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -240,21 +241,31 @@ class _Loop:
 
     def schedule(self):
         """(epoch, index, steps in the epoch, the epoch's examples, pieces of the global
-        batch) of every step from where the loop stands, epoch after epoch."""
-        c, epoch, index = self.config, self.at["epoch"], self.at["batch"]
-        while True:
-            examples = self.examples_of(epoch)
-            steps = (examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
-                     if hasattr(examples, "epoch_batches")       # a prepared corpus
-                     else epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces))
-            if not steps:
-                raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
-                                 f"from {len(examples)} examples in "
-                                 f"{self.pieces} pieces; "
-                                 "lower accum_steps or use more data")
-            for i in range(index, len(steps)):
-                yield epoch, i, len(steps), examples, steps[i]
-            epoch, index = epoch + 1, 0
+        batch) of every step from where the loop stands, epoch after epoch. The next epoch's
+        batches are computed in a thread while this one trains: at WMT's size an epoch's
+        batches take seconds (appendix F, *Scaling up*), which would otherwise stall the GPU."""
+        epoch, index = self.at["epoch"], self.at["batch"]
+        with ThreadPoolExecutor(1, thread_name_prefix="next-epoch") as pool:
+            ahead = pool.submit(self.epoch_steps, epoch)
+            while True:
+                examples, steps = ahead.result()
+                ahead = pool.submit(self.epoch_steps, epoch + 1)
+                for i in range(index, len(steps)):
+                    yield epoch, i, len(steps), examples, steps[i]
+                epoch, index = epoch + 1, 0
+
+    def epoch_steps(self, epoch: int) -> tuple:
+        "An epoch's examples and its steps of `pieces` index lists (chapter 8's `epoch_batches`)."
+        c, examples = self.config, self.examples_of(epoch)
+        steps = (examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
+                 if hasattr(examples, "epoch_batches")       # a prepared corpus: its lengths
+                 else epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces))
+        if not steps:
+            raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
+                             f"from {len(examples)} examples in "
+                             f"{self.pieces} pieces; "
+                             "lower accum_steps or use more data")
+        return examples, steps
 
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
