@@ -2,6 +2,7 @@
 for every pair, the batches from the lengths alone are `epoch_batches`' (and chapter 1's `token_batches'`),
 two processes' shares are disjoint and cover the epoch, and bad corpora are one-line errors."""
 import gzip
+import json
 import random
 
 import numpy as np
@@ -360,3 +361,53 @@ def test_two_gloo_processes_read_disjoint_shares_of_each_step(long_corpus, tmp_p
     one = train(_tiny(), examples, None, _quick(max_steps=4, eval_every=4, accum_steps=2), progress=False)
     for got in ranks:
         assert got["losses"] == pytest.approx(_losses(one), rel=1e-5)
+
+
+# --- WMT14 from the release's archives (tested on local archives only) -------------------------------
+
+def _wmt14_archives(raw, pairs):
+    "The three archives, with the member names of the real ones, each holding a slice of `pairs`."
+    import io
+    import tarfile
+
+    from transformer.engine.corpus import WMT14_DE_EN
+    slices = {}
+    for k, (archive, base) in enumerate(WMT14_DE_EN.items()):
+        part = pairs[k * 100:(k + 1) * 100]
+        prefix = "" if "commoncrawl" in archive else "training/"
+        with tarfile.open(raw / archive, "w:gz") as tar:
+            for lang, side in (("de", 0), ("en", 1), ("cs", 0)):
+                data = "".join(p[side] + "\n" for p in part).encode()
+                info = tarfile.TarInfo(f"{prefix}{base.replace('de-en', 'cs-en') if lang == 'cs' else base}.{lang}")
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        slices[archive] = part
+    return slices
+
+
+def test_wmt14_streams_the_german_english_files_out_of_the_three_archives(corpus_files, tmp_path, capsys):
+    from transformer.engine.corpus import wmt14_text
+    tmp, pairs, tokenizer = corpus_files
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    slices = _wmt14_archives(raw, pairs)
+    en, de = wmt14_text(raw)
+    assert [f.name for f in en] == ["europarl-v7.de-en.en", "commoncrawl.de-en.en", "news-commentary-v9.de-en.en"]
+    assert [line for f in de for line in f.read_text().splitlines()] == [s for p in slices.values() for s, _ in p]
+    sources = json.loads((raw / "de-en" / "sources.json").read_text())
+    assert set(sources) == set(slices) and all(len(v) == 64 for v in sources.values())
+    tokenizer.save(tmp_path / "tok.model")
+    assert main(["--wmt14", str(raw), "--out", str(tmp_path / "out"), "--tokenizer", str(tmp_path / "tok.model"),
+                 "--quiet"]) == 0
+    corpus = ShardedCorpus(tmp_path / "out")
+    assert len(corpus) == 300 and corpus[0] == make_examples(tokenizer, [(pairs[0][1], pairs[0][0])])[0]  # en -> de
+    capsys.readouterr()
+    (raw / "training-parallel-nc-v9.tgz").unlink()
+    assert main(["--wmt14", str(raw), "--out", str(tmp_path / "out2")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "download https://www.statmt.org/wmt14/training-parallel-nc-v9.tgz" in err
+    (raw / "training-parallel-nc-v9.tgz").write_bytes(b"\x1f\x8b not really")
+    with pytest.raises(DataError, match="not a whole .tgz archive"):
+        wmt14_text(raw)
+    with pytest.raises(SystemExit):                              # neither files nor --wmt14
+        main(["--out", str(tmp_path / "out3")])

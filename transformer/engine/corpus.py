@@ -28,8 +28,9 @@ MANIFEST, TOKENIZER_FILE = "manifest.json", "tokenizer.model"
 SPLITS = ("val", "test")          # held-out pairs prepare may keep beside the shards, as text
 
 # %% auto #0
-__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'count_lines', 'stream_lines', 'aligned_files',
-           'stream_pairs', 'sample_texts', 'prepare', 'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main']
+__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'WMT14_DE_EN', 'WMT14_URLS', 'count_lines', 'stream_lines',
+           'aligned_files', 'stream_pairs', 'sample_texts', 'prepare', 'ShardedCorpus', 'length_batches',
+           'epoch_length_batches', 'main', 'wmt14_text']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
 def _opener(path: Path):
@@ -448,16 +449,18 @@ def epoch_length_batches(src_lens, tgt_lens, batch_tokens: int, seed: int, epoch
 
 # %% ../../book/a_1_prepare.ipynb #a1-014
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m transformer prepare --src-files F [F ...] --tgt-files F [F ...] --out DIR
-    [--val-files SRC TGT] [--test-files SRC TGT] [--vocab-size N] [--tokenizer PATH]`; returns
-    the exit code (a bad input: one line, 1)."""
+    """`python -m transformer prepare (--src-files F [F ...] --tgt-files F [F ...] | --wmt14 RAW)
+    --out DIR [--val-files SRC TGT] [--test-files SRC TGT] [--vocab-size N] [--tokenizer PATH]`;
+    returns the exit code (a bad input: one line, 1)."""
     p = argparse.ArgumentParser(prog="python -m transformer prepare",
                                 description="Tokenize a parallel corpus once into memory-mapped "
                                             "shards that training streams.")
-    p.add_argument("--src-files", nargs="+", required=True, metavar="F",
+    p.add_argument("--src-files", nargs="+", metavar="F",
                    help="source-language files, plain or .gz, one sentence a line")
-    p.add_argument("--tgt-files", nargs="+", required=True, metavar="F",
+    p.add_argument("--tgt-files", nargs="+", metavar="F",
                    help="target-language files, aligned line by line with --src-files")
+    p.add_argument("--wmt14", metavar="RAW", help="instead of --src-files and --tgt-files: "
+                   "WMT14 English->German from the release's three archives in RAW")
     p.add_argument("--out", required=True, metavar="DIR", help="the directory to write")
     p.add_argument("--val-files", nargs=2, metavar=("SRC", "TGT"),
                    help="validation pairs, kept as text (train --data DIR validates on them)")
@@ -470,8 +473,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shard-pairs", type=int, default=1_000_000, metavar="N")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
+    if (args.wmt14 is None) == (args.src_files is None or args.tgt_files is None):
+        p.error("give --src-files and --tgt-files, or --wmt14 RAW")
     try:
-        out = prepare(args.src_files, args.tgt_files, args.out, args.vocab_size,
+        src, tgt = (wmt14_text(args.wmt14) if args.wmt14 else (args.src_files, args.tgt_files))
+        out = prepare(src, tgt, args.out, args.vocab_size,
                       val_files=args.val_files, test_files=args.test_files,
                       tokenizer=args.tokenizer, sample_sentences=args.sample_sentences,
                       shard_pairs=args.shard_pairs, quiet=args.quiet)
@@ -483,3 +489,52 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"{len(corpus):,} pairs in {shards} shard{'s' * (shards != 1)}, vocabulary "
           f"{corpus.manifest['vocab_size']:,} ({corpus.dtype.name}): {out}")
     return 0
+
+# %% ../../book/a_1_prepare.ipynb #a1-014x
+WMT14_DE_EN = {   # archive -> the base name of its German-English files (.de, .en) inside it
+    "training-parallel-europarl-v7.tgz": "europarl-v7.de-en",
+    "training-parallel-commoncrawl.tgz": "commoncrawl.de-en",
+    "training-parallel-nc-v9.tgz": "news-commentary-v9.de-en"}
+WMT14_URLS = {"training-parallel-europarl-v7.tgz": "https://www.statmt.org/wmt13/",
+              "training-parallel-commoncrawl.tgz": "https://www.statmt.org/wmt13/",
+              "training-parallel-nc-v9.tgz": "https://www.statmt.org/wmt14/"}
+
+
+def wmt14_text(raw_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
+    """English and German training files of WMT14, streamed out of the three archives in
+    `raw_dir` into `raw_dir/de-en/` (once: an existing file with a recorded archive sha256 is
+    kept). Returns `(english files, german files)`, aligned, for `prepare`."""
+    import tarfile
+    raw = Path(raw_dir)
+    out = raw / "de-en"
+    out.mkdir(parents=True, exist_ok=True)
+    record = out / "sources.json"
+    sources = json.loads(record.read_text()) if record.is_file() else {}
+    en, de = [], []
+    for archive, base in WMT14_DE_EN.items():
+        path = raw / archive
+        if not path.is_file():
+            raise DataError(f"{path}: no such file; download {WMT14_URLS[archive]}{archive} "
+                            f"into {raw}")
+        digest = sha256_file(path)
+        files = [out / f"{base}.{lang}" for lang in ("en", "de")]
+        if sources.get(archive) != digest or not all(f.is_file() for f in files):
+            try:
+                with tarfile.open(path, "r:gz") as tar:
+                    members = {Path(m.name).name: m for m in tar if m.isfile()}
+                    for f in files:
+                        if f.name not in members:
+                            raise DataError(f"{path}: holds no {f.name}; is it the WMT14 archive "
+                                            f"from {WMT14_URLS[archive]}?")
+                        tmp = f.with_name(f.name + ".tmp")
+                        with tar.extractfile(members[f.name]) as src, open(tmp, "wb") as dst:
+                            while chunk := src.read(1 << 24):
+                                dst.write(chunk)
+                        os.replace(tmp, f)
+            except (tarfile.TarError, EOFError, zlib.error) as e:
+                raise DataError(f"{path}: not a whole .tgz archive ({e}); download it again") from None
+            sources[archive] = digest
+            record.write_text(json.dumps(sources, indent=1) + "\n")
+        en.append(files[0])
+        de.append(files[1])
+    return en, de
