@@ -320,6 +320,34 @@ def test_search_matches_decoding_py_on_a_fake_model(node, tmp_path):
     print(f"{len(cases)} searches: JS chose what decoding.py chose in all")
 
 
+COUNT_LOOKUPS = """
+import fs from 'node:fs';
+import { Tokenizer } from '%s';
+const [spec, texts] = [process.argv[1], process.argv[2]].map((f) => JSON.parse(fs.readFileSync(f, 'utf8')));
+const tokenizer = new Tokenizer(spec);
+const merges = tokenizer.merges;
+let lookups = 0;
+tokenizer.merges = { get: (pair) => { lookups += 1; return merges.get(pair); } };
+const answer = texts.map((text) => { lookups = 0; const ids = tokenizer.encode(text); return { ids, lookups }; });
+process.stdout.write(JSON.stringify(answer));
+"""
+
+
+def test_bpe_work_grows_with_the_text_not_its_square(node, sp, tmp_path):
+    """Issue 41: 40,000 characters (a shared link's sentence) cost a minute, as BPE rescanned every pair at each merge.
+    Counted, not timed: the pair lookups are at most 3 per code point (one per first pair, two per merge), and the
+    ids are still sentencepiece's."""
+    texts = ["Ein Mann fährt Fahrrad. " * 1700, "x" * 40_000, "ein orangefarbenerHut" * 2000]
+    (tmp_path / "texts.json").write_text(json.dumps(texts), encoding="utf-8")
+    script = COUNT_LOOKUPS % (ROOT / "book" / "_static" / "translator" / "tokenizer.js").as_uri()
+    result = subprocess.run([node, "--input-type=module", "-e", script, str(TOKENIZER_JSON), str(tmp_path / "texts.json")],
+                            capture_output=True, text=True, encoding="utf-8", timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for text, got in zip(texts, json.loads(result.stdout)):
+        assert len(text) >= 40_000 and got["lookups"] <= 3 * len(text), (len(text), got["lookups"])
+        assert got["ids"] == sp.encode(text)
+
+
 def test_node_unit_tests(node):
     result = subprocess.run([node, "--test", "tests/js/"], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]

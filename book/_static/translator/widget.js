@@ -12,15 +12,18 @@
 // The div's attributes: data-size="small" (the front page: the translation and a link to the
 // trace), data-trace-page="11_traced.html" (where that link goes). The page's `?sentence=...`
 // (and `&beam=4`) fills in the box and translates at once; each translation writes them back into
-// the address, so a reader can share a link to it. Timings are recorded as performance measures
-// named "book-translator:load", ":translate" and ":trace"; the div's data-state says where it is
-// (idle, loading, translating, tracing, done, error).
+// the address, so a reader can share a link to it. The box takes MAX_CHARS characters, and a longer
+// `?sentence=` is cut to them before anything runs: a shared link cannot freeze a reader's tab (the
+// model reads 255 pieces of the source at most, about a thousand characters). Timings are recorded
+// as performance measures named "book-translator:load", ":translate" and ":trace"; the div's
+// data-state says where it is (idle, loading, translating, tracing, done, error).
 (() => {
   'use strict';
   const BASE = new URL('.', document.currentScript.src); // _static/translator/
   const RUNTIME = new URL('ort/', BASE); // onnxruntime-web's files, copied from its npm package
   const MODEL = new URL('model/', BASE); // book/model/web/
   const SVG = 'http://www.w3.org/2000/svg';
+  const MAX_CHARS = 2000; // what the box takes (said under it); the model reads the first 255 pieces
   let engine = null; // the promise of one Translator, shared by every widget of the page
 
   function el(tag, attrs = {}, ...children) {
@@ -56,7 +59,9 @@
   function mount(root) {
     const small = root.dataset.size === 'small';
     const input = el('input', { type: 'text', class: 'bt-input', 'aria-label': 'A German sentence',
-      placeholder: 'Ein Hund läuft im Schnee.', value: 'Ein Hund läuft im Schnee.', spellcheck: 'false' });
+      placeholder: 'Ein Hund läuft im Schnee.', value: 'Ein Hund läuft im Schnee.', spellcheck: 'false',
+      maxlength: String(MAX_CHARS) });
+    const cap = (text) => Array.from(text).slice(0, MAX_CHARS).join(''); // by code points: a pair is never split
     const search = el('select', { class: 'bt-search', 'aria-label': 'Search' },
       el('option', { value: '1', text: 'greedy' }), el('option', { value: '4', text: 'beam 4' }));
     const button = el('button', { type: 'submit', class: 'bt-button', text: 'Translate' });
@@ -64,7 +69,8 @@
     const status = el('p', { class: 'bt-status', role: 'status', 'aria-live': 'polite',
       text: 'The model and its runtime load from this site when you first press Translate.' });
     const output = el('p', { class: 'bt-output', lang: 'en' });
-    const parts = [form, status, output];
+    const note = el('p', { class: 'bt-note', text: `Up to ${MAX_CHARS.toLocaleString('en')} characters; the model reads the first 255 pieces.` });
+    const parts = [form, note, status, output];
     let trace = null;
     if (small) {
       trace = el('a', { class: 'bt-link', hidden: '' });
@@ -78,7 +84,7 @@
     let busy = false;
 
     async function translate() {
-      const text = input.value.trim();
+      const text = cap(input.value.trim());
       if (!text || busy) return;
       busy = true;
       button.disabled = true;
@@ -144,7 +150,7 @@
     const params = new URLSearchParams(location.search);
     if (params.get('beam') === '4') search.value = '4';
     if (params.get('sentence')) {
-      input.value = params.get('sentence');
+      input.value = cap(params.get('sentence'));
       translate();
     }
   }
