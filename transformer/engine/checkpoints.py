@@ -11,17 +11,11 @@ import tempfile
 import textwrap
 import warnings
 import zipfile
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch import nn
-
-try:
-    import fcntl  # POSIX file locks (Linux, macOS)
-except ImportError:                 # Windows: run directories are not locked there
-    fcntl = None
 
 from ..data import UserError
 from ..model import Transformer, TransformerConfig
@@ -29,8 +23,8 @@ from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
-           'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'RunDirectoryError', 'run_lock', 'TrainingError',
-           'read_metrics', 'truncate_metrics', 'check_resumable', 'load_optimizer_state']
+           'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainingError', 'read_metrics',
+           'truncate_metrics', 'check_resumable', 'load_optimizer_state']
 
 # %% ../../book/e_checkpoints.ipynb #e004
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
@@ -101,10 +95,12 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
             why = ("no space left on the device" if full
                    else (e.strerror or str(e)).lower())
             fix = "free some space" if full else f"check that {path.parent} is writable"
+            # --resume only where there is a run to resume: a last.pt beside the file
+            again = ("continue the run with --resume" if (path.parent / "last.pt").is_file()
+                     else "run the same command again")
             raise SaveError(e.errno,
                             f"{why} while saving {path}; {before}. "
-                            f"{fix.capitalize()} and run again "
-                            f"(a training run continues with --resume)") from None
+                            f"{fix.capitalize()} and {again}") from None
         raise
     return path
 
@@ -274,59 +270,9 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
     return model.to(device).eval()
 
 # %% ../../book/e_checkpoints.ipynb #e007
-class RunDirectoryError(UserError, ValueError):
-    "A run directory is in use by another process, or holds the files of another run."
+# the lock is appendix A.1's, where `prepare` takes it too (it writes a directory first)
+from .corpus import RunDirectoryError, run_lock  # noqa: F401
 
-
-# run directories this process holds: resolved path -> lock file descriptor
-_HELD: dict[str, int] = {}
-
-
-@contextmanager
-def run_lock(out_dir: str | os.PathLike):
-    """Hold a run directory for one run: an exclusive `fcntl.flock` on `out_dir/.lock`,
-    which records the pid. The operating system releases it when the process ends,
-    however it ends, so a crash never leaves it stuck. A second process gets a
-    `RunDirectoryError` that names the pid holding it. Re-entrant within one process;
-    temporary files that a killed run left behind are removed once the lock is held. No
-    lock where `fcntl` is missing (Windows)."""
-    out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise RunDirectoryError(f"{out} is a file, not a directory; "
-                                "pass a directory for the run "
-                                "(it is created if missing)")
-    out.mkdir(parents=True, exist_ok=True)
-    key = str(out.resolve())
-    if fcntl is None or key in _HELD:
-        yield out
-        return
-    lock = out / ".lock"
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if not lock.exists() or os.stat(lock).st_ino != os.fstat(fd).st_ino:
-            # the holder removed the file as we opened it: another run got there first
-            raise BlockingIOError
-    except OSError:
-        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
-        os.close(fd)
-        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); "
-                                "wait for it to end, "
-                                f"or train into another directory (--out)") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()}\n".encode())
-    _HELD[key] = fd
-    try:
-        # a temporary file of a run that was killed mid-save
-        for stale in out.glob(".*.tmp"):
-            stale.unlink(missing_ok=True)
-        yield out
-    finally:
-        del _HELD[key]
-        # still held: nobody can take it between these two lines
-        lock.unlink(missing_ok=True)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
 
 # %% ../../book/e_checkpoints.ipynb #e009
 class TrainingError(UserError, RuntimeError):
@@ -373,7 +319,8 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
 
 def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None:
     """Refuse to resume `saved` (a `last.pt`) with another model, or with a training
-    config that differs in a field outside `type(config).RESUMABLE`."""
+    config that differs in a field outside `type(config).RESUMABLE`; then remove the
+    snapshots (`step-*.pt`) newer than `saved`, an abandoned trajectory's."""
     saved_model = saved.get("model_config", {})
     try:  # a checkpoint from before a field existed has its default
         saved_model = TransformerConfig.from_dict(saved_model).to_dict()
@@ -393,6 +340,12 @@ def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None
         raise ValueError(f"cannot resume from {path}: the training config differs " +
                          ", ".join(f"{k}={now[k]!r} (saved {was.get(k)!r})"
                                    for k in diff))
+    # snapshots past the checkpoint belong to the trajectory a kill abandoned (the loop
+    # saves last.pt less often than it snapshots): averaged, they would mix two runs
+    step = saved.get("progress", {}).get("step", 0)
+    for stale in path.parent.glob("step-*.pt"):
+        if stale.stem[5:].isdigit() and int(stale.stem[5:]) > step:
+            stale.unlink(missing_ok=True)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:

@@ -14,11 +14,17 @@ import sys
 import warnings
 import zlib
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+try:
+    import fcntl  # POSIX file locks (Linux, macOS)
+except ImportError:                 # Windows: directories are not locked there
+    fcntl = None
 
 from ..data import DataError, UserError, sha256_file, shard_batches
 from ..tokens import PAD, Tokenizer
@@ -26,11 +32,14 @@ from ..tokens import PAD, Tokenizer
 CORPUS_FORMAT = 1                 # the layout below; a reader refuses any other
 MANIFEST, TOKENIZER_FILE = "manifest.json", "tokenizer.model"
 SPLITS = ("val", "test")          # held-out pairs prepare may keep beside the shards, as text
+# files that mark another kind of directory, which prepare must not write into
+FOREIGN = {"model": ("model.safetensors",),
+           "run": ("config.json", "last.pt", "best.pt", "metrics.jsonl", "results.json", "step-*.pt")}
 
 # %% auto #0
-__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'WMT14_DE_EN', 'WMT14_URLS', 'count_lines', 'stream_lines',
-           'aligned_files', 'stream_pairs', 'sample_texts', 'prepare', 'ShardedCorpus', 'length_batches',
-           'epoch_length_batches', 'main', 'wmt14_text']
+__all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'FOREIGN', 'WMT14_DE_EN', 'WMT14_URLS', 'count_lines',
+           'stream_lines', 'aligned_files', 'stream_pairs', 'sample_texts', 'RunDirectoryError', 'run_lock', 'prepare',
+           'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main', 'wmt14_text']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
 def _opener(path: Path):
@@ -125,6 +134,62 @@ def sample_texts(pairs, k: int, seed: int = 0) -> list[str]:
             seen += 1
     return sample
 
+# %% ../../book/a_1_prepare.ipynb #a1-007b
+class RunDirectoryError(UserError, ValueError):
+    """A run directory (or a corpus `prepare` writes) is in use by another process, or holds
+    the files of another run."""
+
+
+# run directories this process holds: resolved path -> lock file descriptor
+_HELD: dict[str, int] = {}
+
+
+@contextmanager
+def run_lock(out_dir: str | os.PathLike):
+    """Hold a directory for one writer (a run of `train`, appendix E, or `prepare`): an
+    exclusive `fcntl.flock` on `out_dir/.lock`, which records the pid. The operating system releases it when the process ends,
+    however it ends, so a crash never leaves it stuck. A second process gets a
+    `RunDirectoryError` that names the pid holding it. Re-entrant within one process;
+    temporary files that a killed run left behind are removed once the lock is held. No
+    lock where `fcntl` is missing (Windows)."""
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise RunDirectoryError(f"{out} is a file, not a directory; "
+                                "pass a directory for the run "
+                                "(it is created if missing)")
+    out.mkdir(parents=True, exist_ok=True)
+    key = str(out.resolve())
+    if fcntl is None or key in _HELD:
+        yield out
+        return
+    lock = out / ".lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if not lock.exists() or os.stat(lock).st_ino != os.fstat(fd).st_ino:
+            # the holder removed the file as we opened it: another run got there first
+            raise BlockingIOError
+    except OSError:
+        holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); "
+                                "wait for it to end, "
+                                f"or train into another directory (--out)") from None
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()}\n".encode())
+    _HELD[key] = fd
+    try:
+        # a temporary file of a run that was killed mid-save
+        for stale in out.glob(".*.tmp"):
+            stale.unlink(missing_ok=True)
+        yield out
+    finally:
+        del _HELD[key]
+        # still held: nobody can take it between these two lines
+        lock.unlink(missing_ok=True)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
 # %% ../../book/a_1_prepare.ipynb #a1-008
 def _positive(name: str, value) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -205,7 +270,25 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
     if lines == 0:
         raise DataError(f"empty corpus: {', '.join(str(f) for f in files[0][:2])} hold no lines")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    _check_foreign(out)
+    with run_lock(out):                          # one writer: a second prepare or a train waits
+        _check_foreign(out)
+        return _prepare(files, held_out, lines, out, vocab_size, tokenizer, sample_sentences,
+                        shard_pairs, chunk_pairs, seed, quiet)
+
+
+def _check_foreign(out: Path) -> None:
+    "`out` may be new, a corpus, or hold text files; never a run's or a model's directory."
+    for kind, names in FOREIGN.items():
+        found = sorted(p.name for name in names for p in out.glob(name))
+        if found:
+            raise RunDirectoryError(f"--out {out} holds a {kind} ({', '.join(found[:3])}); "
+                                    "prepare writes a corpus into a directory of its own: "
+                                    "pass another --out")
+
+
+def _prepare(files, held_out, lines, out, vocab_size, tokenizer, sample_sentences,
+             shard_pairs, chunk_pairs, seed, quiet) -> Path:
     (out / MANIFEST).unlink(missing_ok=True)     # a half-written directory is never read as whole
     if tokenizer is None:
         tokenizer = Tokenizer.train(sample_texts(stream_pairs(files), sample_sentences, seed),
@@ -214,7 +297,7 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
     else:
         tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
         trained_on = "given"
-    tokenizer.save(out / TOKENIZER_FILE)
+    written = sha256_file(tokenizer.save(out / TOKENIZER_FILE))    # what the ids are made with
     splits = {name: _write_split(out, name, pair) for name, pair in held_out.items()}
     dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
     shards, parts, in_shard = [], [], 0
@@ -236,13 +319,16 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
     if n == 0:
         raise DataError(f"empty corpus: no pair of non-empty lines in {files[0][0]} / {files[0][1]}")
     if n < lines:
-        warnings.warn(f"skipped {lines - n} of {lines} pairs with an empty side", stacklevel=2)
+        warnings.warn(f"skipped {lines - n} of {lines} pairs with an empty side", stacklevel=3)
+    if sha256_file(out / TOKENIZER_FILE) != written:
+        raise DataError(f"{out / TOKENIZER_FILE} changed while prepare wrote {out} (another "
+                        "process writes there); run prepare again, one at a time")
     manifest = {
         "format": CORPUS_FORMAT, "pairs": n, "skipped": lines - n,
         "files": [{"src": str(a), "tgt": str(b), "lines": k} for a, b, k in files],
         "encoding": {"src": "x EOS", "tgt": "BOS y EOS"},
         "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
-        "tokenizer": {"name": TOKENIZER_FILE, "sha256": sha256_file(out / TOKENIZER_FILE),
+        "tokenizer": {"name": TOKENIZER_FILE, "sha256": written,
                       "trained_on": trained_on, "sample_sentences": sample_sentences},
         "shard_pairs": shard_pairs, "shards": shards, "splits": splits}
     tmp = out / (MANIFEST + ".tmp")
@@ -272,19 +358,33 @@ class ShardedCorpus:
         if not path.is_file():
             raise DataError(f"{path}: no such file; run prepare with --out {self.dir} first")
         try:
-            m = json.loads(path.read_text())
-            shards, fmt = m["shards"], m["format"]
+            m = json.loads(path.read_text(encoding="utf-8"))
+            shards, fmt, tok = m["shards"], m["format"], m["tokenizer"]
+            if not (isinstance(shards, list) and isinstance(tok, dict) and all(
+                    isinstance(s, dict) and isinstance(s.get("files"), dict)
+                    and sorted(s["files"]) == ["index", "src", "tgt"] for s in shards)):
+                raise TypeError("shards must be a list of {src, tgt, index} files")
         except (ValueError, KeyError, TypeError) as e:
             raise _damaged(path, f"not a manifest written by prepare ({e})") from None
         if fmt != CORPUS_FORMAT:
             raise _damaged(path, f"format {fmt!r}, this package reads format {CORPUS_FORMAT}")
+        if m.get("dtype") not in ("uint16", "int32"):
+            raise _damaged(path, f"dtype {m.get('dtype')!r}, prepare writes uint16 or int32")
         self.manifest, self.dtype = m, np.dtype(m["dtype"])
-        self._check(self.dir / m["tokenizer"]["name"], m["tokenizer"], verify)
+        file = self._file(tok.get("name"))        # always checked: the ids mean its pieces
+        self._check(file, tok, True)
+        try:
+            self._tokenizer = Tokenizer.load(file)
+        except ValueError as e:
+            raise _damaged(file, f"not a tokenizer ({e})") from None
+        if self._tokenizer.vocab_size != m.get("vocab_size"):
+            raise _damaged(file, f"has {self._tokenizer.vocab_size} pieces, the manifest says "
+                                 f"{m.get('vocab_size')!r}")
         self.src, self.tgt, self.index = [], [], []
         for shard in shards:
             arrays = {}
             for side, want in shard["files"].items():
-                file = self.dir / want["name"]
+                file = self._file(want.get("name"))
                 self._check(file, want, verify)
                 try:
                     arrays[side] = np.load(file, mmap_mode="r")
@@ -298,6 +398,8 @@ class ShardedCorpus:
                 if a.shape != shape or a.dtype != dtype:
                     raise _damaged(self.dir / shard["files"][side]["name"],
                                    f"shape {a.shape} {a.dtype}, the manifest says {shape} {dtype}")
+            self._check_ranges(arrays, {side: self._file(shard["files"][side]["name"])
+                                        for side in arrays})
             self.src.append(arrays["src"])
             self.tgt.append(arrays["tgt"])
             self.index.append(arrays["index"])
@@ -314,6 +416,30 @@ class ShardedCorpus:
                 self.keep = keep
                 self.src_lengths, self.tgt_lengths = self.src_lengths[keep], self.tgt_lengths[keep]
 
+    def _file(self, name) -> Path:
+        "A file the manifest names: a plain name, in the corpus directory."
+        if not isinstance(name, str) or name in ("", ".", "..") or Path(name).name != name:
+            raise _damaged(self.dir / MANIFEST, f"{name!r} is not a file name in {self.dir}")
+        return self.dir / name
+
+    def _check_ranges(self, arrays: dict, files: dict) -> None:
+        """A shard's index is the layout `prepare` writes (each pair's tokens right after the
+        previous pair's, at least one, the last ending at the array's end) and every id is in
+        the vocabulary: a few vectorized passes, once, when the corpus opens."""
+        index, V = arrays["index"], self.vocab_size
+        for col, side, name in ((0, "src", "source"), (2, "tgt", "target")):
+            offset, length, tokens = index[:, col], index[:, col + 1], arrays[side]
+            bad = np.flatnonzero((length < 1) | (offset != np.cumsum(length) - length))
+            if len(bad) or length.sum() != len(tokens):
+                i = int(bad[0]) if len(bad) else len(index) - 1
+                raise _damaged(files["index"], f"pair {i}'s {name} tokens are at {offset[i]}:"
+                                               f"{offset[i] + length[i]}, not right after the previous "
+                                               f"pair's in the {len(tokens)} tokens of {files[side].name}")
+            if len(tokens) and (int(tokens.max()) >= V or int(tokens.min()) < 0):
+                at = int(np.flatnonzero((tokens >= V) | (tokens < 0))[0])
+                raise _damaged(files[side], f"token id {tokens[at]} at position {at}, but the "
+                                            f"vocabulary has {V} pieces")
+
     @staticmethod
     def _check(file: Path, want: dict, verify: bool) -> None:
         if not file.is_file():
@@ -322,7 +448,7 @@ class ShardedCorpus:
         if "bytes" in want and size != want["bytes"]:
             raise _damaged(file, f"{size} bytes, the manifest says {want['bytes']} "
                                  "(truncated or replaced)")
-        if verify and sha256_file(file) != want["sha256"]:
+        if verify and sha256_file(file) != want.get("sha256"):
             raise _damaged(file, "its sha256 differs from the manifest's (altered)")
 
     def __len__(self) -> int:
@@ -373,7 +499,13 @@ class ShardedCorpus:
         for side in ("src", "tgt"):
             file = self.dir / want[side]["name"]
             self._check(file, want[side], True)
-            sides.append(file.read_text(encoding="utf-8").splitlines())
+            # split at \n alone, as prepare wrote them: str.splitlines (and read_text's
+            # newline translation) would also split at \r, U+2028, NEL and others
+            lines = [line.removesuffix("\r") for line in
+                     file.read_bytes().decode("utf-8").split("\n")[:-1]]
+            if len(lines) != want.get("pairs"):
+                raise _damaged(file, f"{len(lines)} lines, the manifest says {want.get('pairs')!r}")
+            sides.append(lines)
         return list(zip(*sides, strict=True))
 
     @property
@@ -383,7 +515,7 @@ class ShardedCorpus:
     @property
     def tokenizer(self) -> Tokenizer:
         "The tokenizer the ids were written with (its file was checked when the corpus was opened)."
-        return Tokenizer.load(self.dir / self.manifest["tokenizer"]["name"])
+        return self._tokenizer
 
     def epoch_batches(self, batch_tokens: int, seed: int, epoch: int,
                       pieces: int = 1) -> list[list[np.ndarray]]:
@@ -509,7 +641,13 @@ def wmt14_text(raw_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
     out = raw / "de-en"
     out.mkdir(parents=True, exist_ok=True)
     record = out / "sources.json"
-    sources = json.loads(record.read_text()) if record.is_file() else {}
+    try:
+        sources = json.loads(record.read_text(encoding="utf-8")) if record.is_file() else {}
+    except (ValueError, OSError):
+        sources = None
+    if not isinstance(sources, dict):
+        raise DataError(f"{record}: not a record written by prepare (a JSON object of archive "
+                        "sha256s); delete it, and prepare reads the archives again")
     en, de = [], []
     for archive, base in WMT14_DE_EN.items():
         path = raw / archive
@@ -521,7 +659,14 @@ def wmt14_text(raw_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
         if sources.get(archive) != digest or not all(f.is_file() for f in files):
             try:
                 with tarfile.open(path, "r:gz") as tar:
-                    members = {Path(m.name).name: m for m in tar if m.isfile()}
+                    members = {}
+                    for m in (m for m in tar if m.isfile()):
+                        name = Path(m.name).name
+                        if name in members and name in (f.name for f in files):
+                            raise DataError(f"{path}: holds two files named {name} ("
+                                            f"{members[name].name}, {m.name}); is it the WMT14 "
+                                            f"archive from {WMT14_URLS[archive]}?")
+                        members.setdefault(name, m)
                     for f in files:
                         if f.name not in members:
                             raise DataError(f"{path}: holds no {f.name}; is it the WMT14 archive "
