@@ -19,7 +19,7 @@ from ..engine.checkpoints import RunDirectoryError, atomic_write, run_lock
 from ..engine.trained import SweepError, Variant, read_variants, run_state
 
 # %% auto #0
-__all__ = ['KEEP', 'command_line', 'run_sweep', 'copy_results', 'build_parser', 'main']
+__all__ = ['KEEP', 'command_line', 'run_sweep', 'copy_results', 'check_results', 'build_parser', 'main']
 
 # %% ../../book/c_3_sweep.ipynb #s007
 def command_line(variant: Variant, base: list[str], run_dir: Path,
@@ -194,6 +194,21 @@ def copy_results(out: str | Path, dest: str | Path, variants: list[Variant]) -> 
         copied += 1
     return copied
 
+
+def check_results(out: Path, dest: Path, variants: list[Variant]) -> None:
+    """Before anything runs: `--results` takes copies of records, never a run. Refused: `dest`
+    that is `out`, and a `dest/<name>` that holds more than the records (a run's checkpoints,
+    another sweep's runs), which the copy would overwrite."""
+    if dest.resolve() == out.resolve():
+        raise SweepError(f"--results {dest} is --out: the records are there already; drop "
+                         "--results, or name another directory")
+    for v in variants:
+        there = dest / v.name
+        other = sorted(p.name for p in there.iterdir() if p.name not in KEEP) if there.is_dir() else []
+        if other:
+            raise SweepError(f"--results {dest}: {there} holds a run ({', '.join(other[:3])}), "
+                             "not only the records --results copies; name another directory")
+
 # %% ../../book/c_3_sweep.ipynb #s013
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -244,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
                 raise SweepError(f"--only: no variant named {', '.join(missing)} in "
                                  f"{args.variants}")
             variants = [v for v in variants if v.name in args.only]
+        if any(a == "--out" or a.startswith("--out=") for a in extra):
+            raise SweepError("--out after --: every variant would train into that one "
+                             "directory; the sweep gives each its own (<--out>/<name>): drop it")
+        if args.results:
+            check_results(Path(args.out).expanduser(), Path(args.results), variants)
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

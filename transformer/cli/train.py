@@ -35,7 +35,7 @@ from transformer.cli.commands import (
 )
 from ..data import sha256_file
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
-from ..engine.corpus import MANIFEST, ShardedCorpus
+from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
 from ..engine.devices import init_distributed
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
@@ -117,15 +117,32 @@ def _run_config(args, model_config: TransformerConfig,
                 train_config: TrainConfig, corpus: ShardedCorpus | None = None) -> dict:
     data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
     if corpus is not None:       # a prepared corpus, by its manifest (it may move)
-        data.update(corpus_pairs=len(corpus),
+        data.update(corpus=str(corpus.dir), corpus_pairs=len(corpus),
                     corpus_manifest_sha256=sha256_file(corpus.dir / MANIFEST))
     return {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
             "preset": args.preset, "seed": args.seed}
 
 
 def prepared_corpus(args) -> Path | None:
-    "The directory `--data` names when it holds a corpus written by `prepare` (appendix A.1)."
-    return Path(args.data) if args.data and (Path(args.data) / MANIFEST).is_file() else None
+    """The directory `--data` names when it holds a corpus written by `prepare` (appendix A.1);
+    None for Multi30k's files (a directory holding multi30k/, or no --data). A directory that
+    is neither is refused: training on the cached Multi30k instead would go unnoticed."""
+    if not args.data:
+        return None
+    data = Path(args.data)
+    if (data / MANIFEST).is_file():
+        return data
+    left = [p.name for p in (data / TOKENIZER_FILE, *sorted(data.glob("*-[0-9]*.npy")))
+            if p.is_file()]
+    if left:
+        raise CLIError(f"--data {data} holds {', '.join(left[:3])} but no {MANIFEST}: a prepare "
+                       f"that did not finish (interrupted, or still running); run prepare "
+                       f"--out {data} again")
+    if not (data / "multi30k").is_dir():
+        raise CLIError(f"--data {data}: {MANIFEST} (a corpus written by prepare) and multi30k/ "
+                       f"not found in {data}; pass the --out of a finished prepare, or a "
+                       "directory holding multi30k/")
+    return None
 
 
 def _held_out(args, corpus: Path | None) -> tuple[list, list | None, str]:
@@ -153,8 +170,16 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
         saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
     if "train" in saved:
         saved = {**saved, "train": {**asdict(TrainConfig()), **saved["train"]}}
+    was = saved.get("data", {})
+    if "corpus_manifest_sha256" in was and "corpus_manifest_sha256" not in now["data"]:
+        corpus = was.get("corpus", f"of {was.get('corpus_pairs')} pairs")
+        raise CLIError(f"--resume without --data: the run trained on the prepared corpus "
+                       f"{corpus}; resume with --data {corpus}")
     for part in ("model", "data", "train"):
-        for key, value in now[part].items():
+        # the data: every key the run recorded too (where it came from); not the corpus's
+        # path, which may move
+        keys = now[part].keys() | (was.keys() - {"corpus"} if part == "data" else set())
+        for key, value in ((k, now[part].get(k)) for k in sorted(keys)):
             if part == "train" and key in TrainConfig.RESUMABLE:
                 continue
             if saved.get(part, {}).get(key) != value:
@@ -221,6 +246,11 @@ def _check_out(out: Path, args) -> None:
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} is a file, not a directory; pass a directory "
                        "(it is created if missing)")
+    for name, what in ((MANIFEST, f"a corpus written by prepare ({MANIFEST}); train on it "
+                                  f"with --data {out}, into"),
+                       ("model.safetensors", "a model (model.safetensors); train into")):
+        if (out / name).exists():
+            raise CLIError(f"--out {out} holds {what} another --out")
     if args.resume:
         if not (out / "last.pt").exists():
             raise CLIError(f"--resume: {out} holds no run to resume (no last.pt)")
