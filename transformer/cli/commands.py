@@ -17,7 +17,7 @@ import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.checkpoints import atomic_write
-from ..engine.trained import load
+from ..engine.trained import BATCH_TOKENS, load
 from ..model import ARCHS, POSITIONS, PRESETS, Transformer
 from ..tokens import Tokenizer
 
@@ -249,6 +249,13 @@ def _inference_parsers(sub) -> None:
         _decoding_flags(c)
         c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
         c.add_argument("--threads", type=_positive(int), metavar="N")
+        c.add_argument("--batch-tokens", type=_positive(int), default=BATCH_TOKENS,
+                       metavar="N", help="positions one batch decodes at once: beams x "
+                       "(source + output length), summed (default: %(default)s); "
+                       "memory follows it, not the input")
+        c.add_argument("--quiet", action="store_true",
+                       help="no progress bar (there is none when stderr is not a "
+                            "terminal)")
         if name == "translate":
             c.add_argument("text", nargs="*", metavar="TEXT",
                            help="sentences (default: one per line on stdin)")
@@ -405,8 +412,8 @@ def _one_line(e: BaseException) -> str:
 
 # what to lower when a command runs out of memory
 _LOWER = {"train": "--batch-tokens (or choose a smaller --preset)",
-          "translate": "--beam, or translate shorter sentences",
-          "evaluate": "--beam (or score fewer sentences with --limit)",
+          "translate": "--beam, or translate shorter sentences (or lower --batch-tokens)",
+          "evaluate": "--beam or --batch-tokens (or score fewer sentences with --limit)",
           "attend": "--beam, or draw a shorter sentence",
           "export": "nothing: export needs memory for the model only; free some memory"}
 

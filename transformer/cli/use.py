@@ -3,26 +3,35 @@
 # %% ../../book/c_2_use.ipynb #u002
 from __future__ import annotations
 
+import gzip
+import io
+import itertools
 import json
 import os
+import signal
+import stat
 import sys
+import threading
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from sacrebleu import BLEU, CHRF
+from tqdm import tqdm
 
 from . import web  # appendix I: export --web
-from .commands import CLIError, load_pairs, pick_device
-from ..data import read_parallel
+from .commands import CLIError, Terminated, load_pairs, pick_device
 from ..decoding import translate
-from ..engine.checkpoints import atomic_write
 from ..engine.devices import fast_matmul
-from ..engine.trained import WEIGHTS, load
-from ..evaluation import evaluate, score
+from ..engine.trained import WEIGHTS, load, translate_chunks
 from ..model import Transformer
 from ..tokens import Tokenizer
 
 # %% auto #0
-__all__ = ['cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot', 'cmd_attend']
+__all__ = ['MAX_LINE', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot', 'cmd_attend']
 
 # %% ../../book/c_2_use.ipynb #c011
 def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
@@ -36,9 +45,37 @@ def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
     return trained.model, trained.tokenizer, trained.config
 
 
-def _input_lines(args) -> list[str]:
-    ("The sentences to translate: the arguments, else stdin's lines; UTF-8 checked, "
-     "with the place of a bad byte.")
+MAX_LINE = 2**20   # characters a line may have: more is no sentence (/dev/zero has no end)
+
+
+def _lines(raw, name: str) -> Iterator[str]:
+    ("The lines of a binary stream, decoded one at a time: a line ends at \\n, \\r\\n or a "
+     "lone \\r (old Mac files); a leading BOM is dropped; a bad byte or an endless line is "
+     "a `CLIError` that says where.")
+    text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape",
+                            newline=None)
+    try:
+        for number in itertools.count(1):
+            if not (line := text.readline(MAX_LINE + 1)):
+                return
+            if len(line) > MAX_LINE and not line.endswith("\n"):
+                raise CLIError(f"{name} line {number} has no line ending within "
+                               f"{MAX_LINE:,} characters; pass text, one sentence a line")
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:   # surrogateescape kept the undecodable bytes
+                byte = line[e.start].encode("utf-8", "surrogateescape")
+                raise CLIError(f"{name} line {number} is not valid UTF-8 (byte {byte!r} "
+                               f"at column {len(line[:e.start].encode()) + 1}); convert "
+                               "it, e.g. iconv -f latin1 -t utf-8") from None
+            yield line.rstrip("\n")
+    finally:
+        text.detach()   # the stream stays open: it is the caller's
+
+
+def _input_lines(args) -> Iterator[str]:
+    ("The sentences to translate, stripped: the arguments, else stdin's lines, read as "
+     "they are needed; UTF-8 checked, with the place of a bad byte.")
     if args.text:
         for i, text in enumerate(args.text, start=1):
             try:
@@ -47,37 +84,58 @@ def _input_lines(args) -> list[str]:
             except UnicodeEncodeError:
                 raise CLIError(f"argument {i} is not valid UTF-8 text; pass UTF-8 "
                                "(convert with iconv -t utf-8)") from None
-        return list(args.text)
+        yield from (t.strip() for t in args.text)
+        return
     raw = getattr(sys.stdin, "buffer", None)
     # surrogateescape gives back the bytes a text stdin could not decode
-    data = (raw.read() if raw is not None
-            else sys.stdin.read().encode("utf-8", "surrogateescape"))
-    lines = []
-    # bytes.splitlines ends a line at \n, \r\n and a lone \r (old Mac files) alike
-    for number, line in enumerate(data.splitlines(), start=1):
-        try:
-            lines.append(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            raise CLIError(f"stdin line {number} is not valid UTF-8 (byte "
-                           f"{line[e.start:e.start + 1]!r} at column "
-                           f"{e.start + 1}); convert it, e.g. iconv -f latin1 "
-                           "-t utf-8") from None
-    return lines
+    yield from (line.strip() for line in _lines(
+        raw or io.BytesIO(sys.stdin.read().encode("utf-8", "surrogateescape")), "stdin"))
+
+
+@contextmanager
+def _progress(args, total: int | None = None):
+    """A progress bar on stderr when it is a terminal (not with --quiet); SIGTERM stops
+    the command as Ctrl-C does, after the lines already written (they are flushed)."""
+    def stop(signum, frame):
+        raise Terminated()
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main else None
+    try:
+        with tqdm(total=total, unit=" sentences", file=sys.stderr, dynamic_ncols=True,
+                  disable=args.quiet or not sys.stderr.isatty()) as bar:
+            yield bar
+    finally:
+        if main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _write(out, lines: list[str], bar) -> None:
+    "Lines to a file or stdout, flushed, clear of the progress bar."
+    bar.clear()
+    out.write("".join(line + "\n" for line in lines))
+    out.flush()
+    bar.refresh()
 
 
 def cmd_translate(args) -> int:
-    # checked before the model loads
-    texts = [t.strip() for t in _input_lines(args)]
-    if not any(texts):
+    """Translate the arguments, or stdin a chunk at a time (appendix E.1's
+    `translate_chunks`): output line i is the translation of input line i, written as
+    each chunk is done, so memory stays flat however long the input."""
+    lines = _input_lines(args)
+    head = []    # read before the model loads: the blank lines up to the first sentence
+    for text in lines:
+        head.append(text)
+        if text:
+            break
+    else:
         raise CLIError("no input: pass sentences as arguments, or pipe them to "
                        "stdin one per line")
     model, tokenizer, _ = _setup_inference(args)
-    # output line i is the translation of input line i: an empty line stays empty
-    # (the model would "translate" it into a word or a full stop)
-    done = iter(translate(model, tokenizer, [t for t in texts if t],
-                          beam_size=args.beam, alpha=args.alpha))
-    for text in texts:
-        print(next(done) if text else "")
+    texts = itertools.chain(head, lines)
+    with _progress(args, len(args.text) if args.text else None) as bar:
+        for chunk in translate_chunks(model, tokenizer, texts, args.beam, args.alpha,
+                                      args.batch_tokens, bar, translate):
+            _write(sys.stdout, chunk, bar)
     return 0
 
 
@@ -98,6 +156,87 @@ def _check_output(flag: str, out: str, inputs: list, run_dir) -> None:
         raise CLIError(f"{flag} {out}: not writable here; choose another place")
 
 
+def _text_file(path: str, flag: str):
+    ("A text file opened for reading, in binary (gunzipped when it starts with gzip's "
+     "bytes), or a `CLIError` that says what the path is instead.")
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise CLIError(f"{flag} {path}: no such file; check the path") from None
+    if stat.S_ISDIR(mode):
+        raise CLIError(f"{flag} {path}: a directory, not a file; name a file in it")
+    if not stat.S_ISREG(mode):   # read twice (checked, then translated): no pipes
+        kind = ("a character device" if stat.S_ISCHR(mode) else "a pipe"
+                if stat.S_ISFIFO(mode) else "a block device" if stat.S_ISBLK(mode)
+                else "a socket")
+        raise CLIError(f"{flag} {path} is {kind}, not a regular file; pass a text file, "
+                       "one sentence a line")
+    with open(path, "rb") as f:
+        gzipped = f.read(2) == b"\x1f\x8b"   # gzip's magic number
+    if path.endswith(".gz") and not gzipped:
+        raise CLIError(f"{flag} {path}: not a gzip file (no 1f 8b at its start); give a "
+                       "plain text file a name without .gz")
+    return gzip.open(path, "rb") if gzipped else open(path, "rb")
+
+
+def _file_pairs(args) -> Iterator[tuple[str, str]]:
+    ("Line i of --src-file with line i of --ref-file, stripped, read a line at a time; "
+     "files of different lengths are a `CLIError` at the end.")
+    with (_text_file(args.src_file, "--src-file") as s,
+          _text_file(args.ref_file, "--ref-file") as r):
+        n = [0, 0]
+        for pair in itertools.zip_longest(_lines(s, args.src_file),
+                                          _lines(r, args.ref_file)):
+            n = [k + (x is not None) for k, x in zip(n, pair)]
+            if None not in pair:
+                yield pair[0].strip(), pair[1].strip()
+    if n[0] != n[1]:
+        raise CLIError(f"line counts differ: {args.src_file} has {n[0]} lines, "
+                       f"{args.ref_file} has {n[1]} lines; line i of one file must "
+                       "translate line i of the other")
+
+
+def _check_files(args) -> int:
+    "Read both files once, before the model loads: the number of pairs to score."
+    lines, skipped, shown = 0, 0, []
+    for lines, (src, ref) in enumerate(_file_pairs(args), start=1):
+        if not (src and ref):
+            skipped += 1
+            shown += [str(lines)][:5 - len(shown)]
+    if skipped == lines:
+        raise CLIError(f"empty corpus: {args.src_file} and {args.ref_file} hold no pair "
+                       "of non-empty lines")
+    if skipped:
+        warnings.warn(f"skipped {skipped} of {lines} pairs with an empty side in "
+                      f"{args.src_file} / {args.ref_file} (lines {', '.join(shown)}"
+                      f"{', ...' if skipped > 5 else ''})", stacklevel=2)
+    return lines - skipped
+
+
+class _Scores:
+    ("Chapter 10's three scores, from sacreBLEU's corpus statistics summed a chunk at a "
+     "time (they add up): no list of every sentence is kept.")
+
+    def __init__(self):
+        self.metrics = {"bleu": BLEU(), "bleu_lc_tok": BLEU(lowercase=True, tokenize="13a"),
+                        "chrf": CHRF()}
+        self.stats = {name: None for name in self.metrics}
+
+    def add(self, hyps: list[str], refs: list[str]) -> None:
+        for name, metric in self.metrics.items():
+            rows = metric._extract_corpus_statistics(hyps, [refs])
+            total = [sum(column) for column in zip(*rows)]
+            self.stats[name] = total if self.stats[name] is None else [
+                a + b for a, b in zip(self.stats[name], total)]
+
+    def result(self) -> dict:
+        out = {name: m._aggregate_and_compute([self.stats[name]]).score
+               for name, m in self.metrics.items()}
+        out["signatures"] = {name: str(m.get_signature())
+                             for name, m in self.metrics.items()}
+        return out
+
+
 def cmd_evaluate(args) -> int:
     if (args.src_file is None) != (args.ref_file is None):
         raise CLIError("--src-file and --ref-file go together: pass both, or "
@@ -109,8 +248,8 @@ def cmd_evaluate(args) -> int:
                       args.model)
     # the files are read before the model loads: a bad one fails at once
     if args.src_file:
-        pairs, where = (read_parallel(args.src_file, args.ref_file),
-                        f"{args.src_file} -> {args.ref_file}")
+        total, where = _check_files(args), f"{args.src_file} -> {args.ref_file}"
+        pairs = ((s, r) for s, r in _file_pairs(args) if s and r)
     model, tokenizer, config = _setup_inference(args)
     if not args.src_file:
         data = config.get("data", {})
@@ -119,24 +258,31 @@ def cmd_evaluate(args) -> int:
                            "use --src-file/--ref-file")
         split = args.split or "test_2016_flickr"
         pairs = load_pairs(args, split, data["src"], data["tgt"])
-        where = f"{split} ({data['src']}->{data['tgt']})"
-    pairs = pairs[:args.limit] if args.limit else pairs
-    if args.output:
-        hyps = translate(model, tokenizer, [src for src, _ in pairs],
-                         beam_size=args.beam, alpha=args.alpha)
-        atomic_write(args.output, lambda f: f.write("".join(h + "\n" for h in hyps)),
-                     mode="w")
-        s = score(hyps, [ref for _, ref in pairs])
-    else:
-        s = evaluate(model, tokenizer, pairs, beam_size=args.beam, alpha=args.alpha)
+        total, where = len(pairs), f"{split} ({data['src']}->{data['tgt']})"
+    total = min(total, args.limit or total)
+    refs, scores = deque(), _Scores()
+
+    def sources():   # the references wait in `refs` while their sources translate
+        for src, ref in itertools.islice(pairs, total):
+            refs.append(ref)
+            yield src
+    # the translations are written as each chunk is done: an interrupt keeps them
+    with (open(args.output, "w", encoding="utf-8") if args.output else io.StringIO()
+          ) as out, _progress(args, total) as bar:
+        for chunk in translate_chunks(model, tokenizer, sources(), args.beam, args.alpha,
+                                      args.batch_tokens, bar, translate):
+            scores.add(chunk, [refs.popleft() for _ in chunk])
+            if args.output:
+                _write(out, chunk, bar)
+    s = scores.result()
     if args.json:
         print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"],
                           "chrf": s["chrf"], "data": where,
-                          "sentences": len(pairs), "beam": args.beam,
+                          "sentences": total, "beam": args.beam,
                           "alpha": args.alpha,
                           "signatures": s["signatures"]}))
     else:
-        print(f"{where}, {len(pairs)} sentences, beam {args.beam}: BLEU "
+        print(f"{where}, {total} sentences, beam {args.beam}: BLEU "
               f"{s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
               f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
     return 0

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Set
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import safe_open
 from safetensors.torch import save as safetensors_bytes
+from tqdm import tqdm
 
 from ..data import UserError, sha256_file
 from ..decoding import translate
@@ -27,9 +30,10 @@ from ..model import Transformer
 from ..tokens import Tokenizer
 
 # %% auto #0
-__all__ = ['CHECKPOINTS', 'WEIGHTS', 'COMMANDS', 'chosen_checkpoint', 'run_alpha', 'exported_sha256', 'check_tokenizer',
-           'TrainedModel', 'load', 'bleu_signature', 'paper_differences', 'model_card', 'SweepError', 'Variant',
-           'read_variants', 'run_state', 'collect']
+__all__ = ['CHECKPOINTS', 'WEIGHTS', 'BATCH_TOKENS', 'CHUNK', 'CHUNK_CHARS', 'COMMANDS', 'chosen_checkpoint', 'run_alpha',
+           'exported_sha256', 'check_tokenizer', 'sentence_list', 'translate_chunks', 'TrainedModel', 'load',
+           'bleu_signature', 'paper_differences', 'model_card', 'SweepError', 'Variant', 'read_variants', 'run_state',
+           'collect']
 
 # %% ../../book/e_1_load.ipynb #e1-004
 CHECKPOINTS = ("best", "last", "averaged")   # the weights a run directory may hold: NAME.pt
@@ -139,6 +143,76 @@ def _write_weights(model: Transformer, path: Path, half: bool, tokenizer_sha256:
 
 
 # %% ../../book/e_1_load.ipynb #e1-006
+BATCH_TOKENS = 16_384   # positions one batch decodes at once: beams x (source + output), summed
+CHUNK = 256             # sentences read, sorted by length and translated together
+CHUNK_CHARS = 2**20     # ... or fewer, when they hold this many characters
+
+
+def sentence_list(sentences) -> list[str]:
+    "`sentences` as a list, or a `TypeError` that names the first item that is not a str."
+    if isinstance(sentences, (str, bytes, Mapping, Set)) or not isinstance(sentences, Iterable):
+        raise TypeError(f"sentences must be a str or a list of str, not a "
+                        f"{type(sentences).__name__}" + (" (pass list(d.values()) to "
+                        "translate a dict's values)" if isinstance(sentences, Mapping) else ""))
+    texts = list(sentences)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"sentences[{i}] is a {type(text).__name__}, not a str")
+    return texts
+
+
+def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterable[str],
+                     beam: int = 4, alpha: float = 0.6, batch_tokens: int = BATCH_TOKENS,
+                     bar: tqdm | None = None, decode: Callable = translate
+                     ) -> Iterator[list[str]]:
+    """Translate an iterable of any length, one chunk (`CHUNK` sentences, at most
+    `CHUNK_CHARS` characters) at a time: yields each chunk's translations, in input
+    order, a blank sentence as "". Within a chunk the sentences are sorted by length
+    and decoded in batches of at most `batch_tokens` positions (beams x (source +
+    output capacity), the KV caches' size), so memory follows the budget, not the
+    input. `decode` translates one batch (chapter 9's `translate`, which cuts an
+    over-long source to max_len with a warning); `bar` counts sentences."""
+    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+        raise ValueError(f"batch_tokens={batch_tokens!r} must be an int >= 1")
+    max_len, it = model.config.max_len, iter(sentences)
+    while chunk := _chunk(it):
+        out = [""] * len(chunk)
+        todo = [i for i, t in enumerate(chunk) if t.strip()]
+        n = {i: min(len(x) + 1, max_len) for i, x in   # source positions, EOS included
+             zip(todo, tokenizer.encode_batch([chunk[i] for i in todo]))}
+        todo.sort(key=n.get)
+        while todo:
+            size = 1      # the longest sentence sets every row's length
+            while size < len(todo) and (size + 1) * beam * _positions(
+                    n[todo[size]], max_len) <= batch_tokens:
+                size += 1
+            batch, todo = sorted(todo[:size]), todo[size:]
+            for i, text in zip(batch, decode(model, tokenizer, [chunk[i] for i in batch],
+                                             beam_size=beam, alpha=alpha,
+                                             batch_size=len(batch))):
+                out[i] = text
+            if bar is not None:
+                bar.update(len(batch))
+        if bar is not None:
+            bar.update(len(chunk) - len(n))   # the blank ones
+        yield out
+
+
+def _chunk(it: Iterator[str]) -> list[str]:
+    chunk, chars = [], 0
+    for text in it:
+        chunk.append(text)
+        chars += len(text)
+        if len(chunk) == CHUNK or chars >= CHUNK_CHARS:
+            break
+    return chunk
+
+
+def _positions(n: int, max_len: int, extra_len: int = 50) -> int:
+    "A row's positions: n source tokens and the output's capacity (chapter 9's limit)."
+    return n + max(1, min(n + extra_len, max_len - 1))
+
+
 @dataclass
 class TrainedModel:
     "A trained model with its tokenizer, ready to translate (what `load` returns)."
@@ -149,18 +223,21 @@ class TrainedModel:
     path: Path       # the checkpoint file the weights came from
 
     def translate(self, sentences: str | list[str], beam: int = 4,
-                  alpha: float | None = None) -> str | list[str]:
+                  alpha: float | None = None, batch_tokens: int = BATCH_TOKENS,
+                  progress: bool | None = None) -> str | list[str]:
         """Translate a sentence, or a list of them: beam search with `beam` beams (1:
-        greedy) and the length penalty `alpha` (default: the run's). A blank sentence
-        translates to an empty string."""
+        greedy) and the length penalty `alpha` (default: the run's), in batches of at
+        most `batch_tokens` positions (`translate_chunks`). A blank sentence
+        translates to an empty string. `progress`: a bar on stderr (default: for
+        lists of more than `CHUNK` sentences)."""
         one = isinstance(sentences, str)
-        texts = [sentences] if one else list(sentences)
-        todo = [i for i, t in enumerate(texts) if t.strip()]
-        done = translate(self.model, self.tokenizer, [texts[i] for i in todo],
-                         beam_size=beam, alpha=self.alpha if alpha is None else alpha)
-        out = [""] * len(texts)
-        for i, text in zip(todo, done):
-            out[i] = text
+        texts = [sentences] if one else sentence_list(sentences)
+        show = len(texts) > CHUNK if progress is None else progress
+        with tqdm(total=len(texts), unit="sentence", disable=not show, file=sys.stderr,
+                  dynamic_ncols=True) as bar:
+            out = [t for chunk in translate_chunks(
+                self.model, self.tokenizer, texts, beam,
+                self.alpha if alpha is None else alpha, batch_tokens, bar) for t in chunk]
         return out[0] if one else out
 
     def export(self, out: str | os.PathLike, half: bool = True) -> Path:

@@ -1,0 +1,184 @@
+"""Issue 41, hostile use round three: translate and evaluate read and write a chunk at a time (memory bounded by a
+token budget per batch, not the input), with a progress bar on a terminal and what was written kept on SIGTERM;
+`TrainedModel.translate` refuses bad items in one TypeError; input files that are not text, or that end lines with a
+lone CR, get a clear answer."""
+import contextlib
+import io
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from test_cli import assert_one_line_error, run
+
+import transformer.cli.use as cli_use
+import transformer.engine.trained as trained_mod
+from transformer.__main__ import main
+from transformer.data import load_multi30k
+from transformer.engine.trained import load
+from transformer.evaluation import score
+
+MODEL = Path(__file__).resolve().parents[1] / "book" / "model"
+pytestmark = pytest.mark.usefixtures("keep_threads")
+SENTENCES = ["Ein Hund läuft.", "Zwei Männer spielen Fußball auf einer grünen Wiese im Park.", "Eine Frau.",
+             "Ein kleines Kind sitzt auf dem Boden und spielt mit einem roten Ball.", "Hallo."]
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return load(MODEL)
+
+
+@pytest.fixture
+def chunk_of_two(monkeypatch):
+    "Chunks of two sentences, so that a few sentences make several chunks."
+    monkeypatch.setattr(trained_mod, "CHUNK", 2, raising=False)
+
+
+class _Trickle(io.RawIOBase):
+    "A stdin that hands over one line a read and counts the lines read so far."
+    def __init__(self, lines: list[bytes]):
+        self.lines, self.read_lines = lines, 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        if self.read_lines == len(self.lines):
+            return 0
+        data = self.lines[self.read_lines]
+        self.read_lines += 1
+        b[:len(data)] = data
+        return len(data)
+
+
+def test_translate_writes_each_chunk_before_reading_the_rest(shipped, chunk_of_two, monkeypatch):
+    "Old: stdin read whole first (205 MB: 2.73 GB, nothing written). Now chunk 1 is out after 2 lines of 5 are read."
+    trickle = _Trickle([s.encode() + b"\n" for s in SENTENCES])
+    seen = []                           # lines of stdin read at each write to stdout
+
+    class Out(io.StringIO):
+        def write(self, s):
+            seen.append(trickle.read_lines)
+            return super().write(s)
+    out = Out()
+    monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BufferedReader(trickle, 1)))
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(["translate", "--model", str(MODEL), "--beam", "1"]) == 0
+    assert out.getvalue().splitlines() == shipped.translate(SENTENCES, beam=1)   # in input order
+    assert seen[0] <= 3 < len(SENTENCES), seen
+
+
+def test_a_batch_stays_within_the_token_budget(monkeypatch):
+    "Old: 64 sentences a batch whatever their length (64 x 50k characters, beam 4: over 4 GB). Now a token budget."
+    batches = []
+
+    def fake(model, tok, texts, beam_size, alpha, batch_size):
+        batches.append((texts, beam_size))
+        return [f"T{SENTENCES.index(t)}" if t in SENTENCES else "long" for t in texts]
+    monkeypatch.setattr(cli_use, "translate", fake)
+    long = "Ein Mann fährt Fahrrad. " * 2000           # cut to max_len=1024 pieces: 2,047 positions a beam
+    lines = SENTENCES + [long, long]
+    code, out, err = run("translate", "--model", MODEL, "--beam", 4, "--batch-tokens", 9000,
+                         stdin="\n".join(lines) + "\n")
+    assert code == 0 and err == "", err
+    assert out.splitlines() == [f"T{i}" for i in range(len(SENTENCES))] + ["long", "long"]
+    tok = load(MODEL).tokenizer
+    for texts, beam in batches:
+        n = max(min(len(tok.encode(t)) + 1, 1024) for t in texts)
+        assert len(texts) * beam * (n + min(n + 50, 1023)) <= 9000 or len(texts) == 1
+    assert [len(t) for t, _ in batches][-2:] == [1, 1]          # each long sentence alone
+
+
+def test_trained_model_translate_names_a_bad_item(shipped):
+    "Old: None, [None], [1] gave three different raw errors, and a dict translated its keys."
+    for bad, match in ((None, "sentences must be a str or a list of str, not a NoneType"),
+                       ([None], r"sentences\[0\] is a NoneType, not a str"),
+                       (["Hallo.", 1], r"sentences\[1\] is a int, not a str"),
+                       ({"Hallo.": 1}, "not a dict")):
+        with pytest.raises(TypeError, match=match):
+            shipped.translate(bad, beam=1)
+
+
+def test_trained_model_translate_shows_progress_for_long_lists(shipped, chunk_of_two, capsys):
+    "Old: 10,000 sentences showed nothing. Now a bar on stderr for lists longer than a chunk; none for short ones."
+    out = shipped.translate(SENTENCES[:3], beam=1, batch_tokens=500)
+    assert out == [shipped.translate(s, beam=1) for s in SENTENCES[:3]]
+    assert "3/3" in capsys.readouterr().err
+    shipped.translate(SENTENCES[:2], beam=1)
+    assert capsys.readouterr().err == ""
+
+
+def _files(tmp_path, n=6, newline="\n"):
+    pairs = load_multi30k("de", "en", "val", download=False)[:n]
+    src, ref = tmp_path / "src.de", tmp_path / "ref.en"
+    src.write_bytes("".join(p[0] + newline for p in pairs).encode())
+    ref.write_bytes("".join(p[1] + newline for p in pairs).encode())
+    return pairs, src, ref
+
+
+def test_evaluate_writes_its_output_as_it_goes_and_scores_the_same(multi30k, chunk_of_two, tmp_path, monkeypatch):
+    "Old: all translations held, then written at once. Now a chunk at a time, scored from summed statistics."
+    pairs, src, ref = _files(tmp_path)
+    hyps_file, written = tmp_path / "hyps.en", []
+    real = cli_use.translate
+
+    def spy(*args, **kwargs):
+        written.append(hyps_file.read_text().count("\n") if hyps_file.exists() else 0)
+        return real(*args, **kwargs)
+    monkeypatch.setattr(cli_use, "translate", spy)
+    code, out, err = run("evaluate", "--model", MODEL, "--src-file", src, "--ref-file", ref, "--beam", 1, "--json",
+                         "--output", hyps_file)
+    assert code == 0, err
+    assert written[-1] >= 2, written                         # the first chunk was on disk before the last began
+    hyps = hyps_file.read_text().splitlines()
+    want = score(hyps, [r for _, r in pairs])
+    got = json.loads(out)
+    assert got["sentences"] == 6 and got["bleu"] == pytest.approx(want["bleu"]) and \
+        got["chrf"] == pytest.approx(want["chrf"]) and got["bleu_lc_tok"] == pytest.approx(want["bleu_lc_tok"])
+
+
+def test_sigterm_keeps_the_chunks_already_written(chunk_of_two, monkeypatch):
+    "SIGTERM while chunk 2 translates: chunk 1 is on stdout, the exit is 143 with one line."
+    calls = []
+    previous = signal.signal(signal.SIGTERM, lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+
+    def fake(model, tok, texts, **kw):
+        calls.append(texts)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return ["done"] * len(texts)
+    monkeypatch.setattr(cli_use, "translate", fake)
+    try:
+        code, out, err = run("translate", "--model", MODEL, "--beam", 1, stdin="a\nb\nc\nd\ne\n")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert code == 143 and err == "error: interrupted (SIGTERM)\n", err
+    assert out == "done\ndone\n"
+
+
+def test_evaluate_says_what_a_file_that_is_not_text_is(tmp_path):
+    "Old: --src-file /dev/zero said 'no such file'."
+    (tmp_path / "ref.en").write_text("A dog.\n")
+    code, out, err = run("evaluate", "--model", MODEL, "--src-file", "/dev/zero", "--ref-file", tmp_path / "ref.en")
+    assert_one_line_error(code, out, err, 1, "--src-file /dev/zero is a character device, not a regular file; pass a "
+                                             "text file, one sentence a line")
+
+
+def test_translate_refuses_a_line_without_an_end(monkeypatch):
+    "stdin from /dev/zero: no line ending within MAX_LINE characters is one line, not a read of everything."
+    monkeypatch.setattr(cli_use, "MAX_LINE", 100, raising=False)
+    code, out, err = run("translate", "--model", MODEL, "--beam", 1, stdin=b"\0" * 1000)
+    assert_one_line_error(code, out, err, 1, "stdin line 1 has no line ending within 100 characters; pass text, one "
+                                             "sentence a line")
+
+
+def test_evaluate_reads_lone_cr_line_endings(multi30k, tmp_path):
+    "Old: a file with lone CR line endings was one line, and sentencepiece's INTERNAL error."
+    pairs, src, ref = _files(tmp_path, 3, newline="\r")
+    code, out, err = run("evaluate", "--model", MODEL, "--src-file", src, "--ref-file", ref, "--beam", 1, "--json")
+    assert code == 0 and err == "", err
+    assert json.loads(out)["sentences"] == 3
