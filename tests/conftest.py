@@ -1,6 +1,15 @@
-"""Fixtures shared by the test files."""
+"""Fixtures shared by the test files, and what the xdist workers of one run share."""
+import json
+import os
+import subprocess
+import traceback
+from pathlib import Path
+
 import pytest
 import torch
+from filelock import FileLock
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
@@ -54,3 +63,36 @@ def multi30k():
         load_multi30k("de", "en", "val", progress=False)
     except DataError as e:
         pytest.fail(f"these tests need Multi30k: {e}")
+
+
+def once_per_run(tmp_path_factory, name: str, build) -> Path:
+    """A folder that `build(folder)` fills once per test run, whichever xdist worker asks first; the
+    others wait for it and read the same folder (`pytest -n 0`: the one process builds it). A build
+    that failed fails every test that asks for it, with the same message, and is not tried again."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):                       # gw0, gw1, ...: a worker of xdist
+        base = base.parent                                          # the workers' common parent
+    folder, done, failed = base / name, base / f"{name}.done", base / f"{name}.failed"
+    with FileLock(str(base / f"{name}.lock")):
+        if not done.exists() and not failed.exists():
+            folder.mkdir(exist_ok=True)
+            try:
+                build(folder)
+                done.touch()
+            except (Exception, pytest.fail.Exception) as e:         # an assert, or pytest.fail
+                failed.write_text(json.dumps("".join(traceback.format_exception_only(e)).strip()))
+    if failed.exists():
+        pytest.fail(f"{name}, built once for the whole run, failed: {json.loads(failed.read_text())}")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory) -> Path:
+    """The whole book (jupyter-book, warnings as errors), built once per run: tests/test_book.py reads
+    its pages and tests/test_api_page.py its appendix G."""
+    def build(out):
+        result = subprocess.run(["jupyter-book", "build", str(ROOT), "--path-output", str(out), "-W",
+                                 "--keep-going"], capture_output=True, text=True)
+        assert result.returncode == 0, ("book build failed (warnings are errors):\n" + result.stdout[-6000:]
+                                        + result.stderr[-3000:])
+    return once_per_run(tmp_path_factory, "book", build) / "_build" / "html"

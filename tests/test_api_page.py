@@ -1,14 +1,11 @@
 """Appendix G, the API reference (book/g_api.rst): autodoc renders every generated module of the package
-with warnings as errors, and no module is left off the page. Built alone (seconds), with the book's
-own Sphinx settings from _config.yml; tests/test_book.py builds it again inside the whole book."""
-import json
+with warnings as errors, and no module is left off the page. The page is read from the book build that
+tests/test_book.py checks too (the `built_book` fixture of tests/conftest.py, built once per run)."""
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "book" / "g_api.rst"
@@ -28,39 +25,10 @@ def automodules(text: str) -> list[str]:
     return re.findall(r"^\.\. automodule:: ([\w.]+)\s*$", text, re.M)
 
 
-def conf_py() -> str:
-    "A conf.py with what _config.yml gives Sphinx: the extensions, their settings and MyST's."
-    config = yaml.safe_load((ROOT / "_config.yml").read_text())
-    sphinx = config.get("sphinx", {})
-    settings = dict(sphinx.get("config", {}))
-    settings["extensions"] = ["myst_nb", *sphinx.get("extra_extensions", [])]
-    settings["myst_enable_extensions"] = config.get("parse", {}).get("myst_enable_extensions", [])
-    settings["nb_execution_mode"] = "off"
-    settings["exclude_patterns"] = ["_build"]
-    return f"import sys\nsys.path.insert(0, {str(ROOT)!r})\n" + "".join(
-        f"{name} = {value!r}\n" for name, value in settings.items())
-
-
 @pytest.fixture(scope="module")
-def api_html(tmp_path_factory) -> str:
-    """The page built alone with sphinx -W; the chapters it links to are stand-in notebooks of
-    one title cell each (their content is the whole book's build)."""
-    src = tmp_path_factory.mktemp("api")
-    text = PAGE.read_text()
-    (src / "conf.py").write_text(conf_py())
-    linked = sorted(set(re.findall(r":doc:`[^`<]*<(\w+)>`", text)))
-    for stem in linked:
-        assert (ROOT / "book" / f"{stem}.ipynb").exists(), f"g_api.rst links to book/{stem}.ipynb, which is not there"
-        cell = {"cell_type": "markdown", "id": "title", "metadata": {}, "source": f"# {stem}\n"}
-        (src / f"{stem}.ipynb").write_text(json.dumps(
-            {"cells": [cell], "metadata": {}, "nbformat": 4, "nbformat_minor": 5}))
-    (src / "g_api.rst").write_text(text)
-    (src / "index.md").write_text("# Index\n\n```{toctree}\ng_api\n" + "".join(f"{s}\n" for s in linked) + "```\n")
-    out = src / "_build"
-    result = subprocess.run([sys.executable, "-m", "sphinx", "-b", "html", "-q", "-W", "--keep-going", str(src), str(out)],
-                            capture_output=True, text=True, cwd=src)
-    assert result.returncode == 0, "the API page does not build (warnings are errors):\n" + result.stderr[-6000:]
-    return (out / "g_api.html").read_text()
+def api_html(built_book) -> str:
+    "The page as the book build (warnings as errors, the book's own Sphinx settings) wrote it."
+    return (built_book / "book" / "g_api.html").read_text()
 
 
 def test_every_generated_module_is_on_the_page():

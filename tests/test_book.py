@@ -32,15 +32,6 @@ def _chart_specs(notebook: Path) -> list[dict]:
     return specs
 
 
-@pytest.fixture(scope="session")
-def built_book(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("book")
-    result = subprocess.run(["jupyter-book", "build", str(ROOT), "--path-output", str(out), "-W", "--keep-going"],
-                            capture_output=True, text=True)
-    assert result.returncode == 0, "book build failed (warnings are errors):\n" + result.stdout[-6000:] + result.stderr[-3000:]
-    return out / "_build" / "html"
-
-
 def test_toc_lists_every_chapter_notebook():
     on_disk = {f"book/{p.stem}" for p in [*(ROOT / "book").glob("[0-9]*.ipynb"), *(ROOT / "book").glob("[a-z]_*.ipynb")]}
     assert on_disk == set(CHAPTERS), f"_toc.yml and book/ disagree: only in toc {set(CHAPTERS) - on_disk}, only on disk {on_disk - set(CHAPTERS)}"

@@ -332,42 +332,6 @@ def test_default_d_k_is_d_model_over_h_bit_for_bit():
     assert torch.equal(o1[2][0], o2[2][0]) and torch.equal(o1[2][1], o2[2][1])
 
 
-def _previous_heads_module():
-    "transformer/heads.py as it was before d_k became a parameter (commit 7e82ea9), or None without that history."
-    import subprocess
-    import types
-    from pathlib import Path
-    root = Path(__file__).resolve().parents[1]
-    try:
-        text = subprocess.run(["git", "show", "7e82ea9:transformer/heads.py"], cwd=root, capture_output=True,
-                              text=True, timeout=20, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    module = types.ModuleType("previous_heads")
-    exec(compile(text.replace("from .attention", "from transformer.attention"), "previous_heads", "exec"),
-         module.__dict__)
-    return module
-
-
-def test_default_d_k_is_bit_identical_to_the_module_before_d_k():
-    previous = _previous_heads_module()
-    if previous is None:
-        pytest.skip("no git history here to read the previous heads.py from")
-    for bias in (True, False):
-        torch.manual_seed(4)
-        old = previous.MultiHeadAttention(16, 4, bias=bias).eval()
-        torch.manual_seed(4)
-        new = MultiHeadAttention(16, 4, bias=bias).eval()
-        s, kv = x(2, 5).float(), x(2, 6, seed=2).float()
-        mask = torch.ones(2, 1, 1, 6, dtype=torch.bool)
-        mask[0, ..., 4:] = False
-        for args in ((s, s, s), (s, kv, kv), (s, kv, kv, mask), (s, kv, kv.flip(1))):
-            for need_weights in (False, True):
-                a, b = old(*args, need_weights=need_weights), new(*args, need_weights=need_weights)
-                assert torch.equal(a[0], b[0])
-                assert (a[1] is None and b[1] is None) or torch.equal(a[1], b[1])
-
-
 # ---- split_heads / merge_heads, and the KV cache (chapter 9) ------------------------------------------
 
 @pytest.mark.parametrize("h", [1, 2, 4, 8])
