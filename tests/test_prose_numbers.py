@@ -196,14 +196,21 @@ def test_hand_typed_number_is_caught():
 
 # --- nbval on planted drifts: the suite's own notebook check, run on a copy ---
 
-def nbval(path: Path) -> subprocess.CompletedProcess:
-    """`pytest --nbval` on one notebook with the repository's settings (pyproject.toml's addopts:
-    --nbval --nbval-current-env --nbval-sanitize-with book/sanitize.cfg), as `pytest book/` runs
-    every chapter."""
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"),
-         "--rootdir", str(path.parent), "-q", "-x", "-p", "no:randomly", str(path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=600)
+def nbval(folder: Path) -> dict[str, str | None]:
+    """`pytest --nbval` with the repository's settings (pyproject.toml's addopts: --nbval
+    --nbval-current-env --nbval-sanitize-with book/sanitize.cfg), as `pytest book/` runs every
+    chapter, once on every notebook in `folder`: {file name: None if it passed, else what nbval said}."""
+    import xml.etree.ElementTree as ET
+    report = folder / "report.xml"
+    subprocess.run([sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "-n", "0",
+                    "--rootdir", str(folder), "-q", f"--junitxml={report}", str(folder)],
+                   cwd=ROOT, capture_output=True, text=True, timeout=600)
+    results = {p.name: None for p in folder.glob("*.ipynb")}
+    for case in ET.parse(report).iter("testcase"):
+        for problem in [*case.iter("failure"), *case.iter("error")]:
+            name = case.get("classname")                         # the notebook's file name
+            results[name] = (results[name] or "") + (problem.get("message") or "") + (problem.text or "")
+    return results
 
 
 def small_notebook(tags: list[str]) -> dict:
@@ -243,35 +250,17 @@ def write(nb: dict, path: Path) -> Path:
     return path
 
 
-@pytest.mark.slow
-def test_nbval_catches_a_drifted_glue_value(tmp_path):
-    """A glued value whose stored record a fresh run does not reproduce fails nbval; the same
-    notebook unchanged passes. The prose quotes that record, so the drift the issue found (text
-    that disagrees with the code) fails the suite."""
-    nb = small_notebook(tags=[])
-    ok = nbval(write(nb, tmp_path / "ok.ipynb"))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    drift = nbval(write(plant(nb, "ratio", "1.5"), tmp_path / "drift.ipynb"))
-    assert drift.returncode == 1, drift.stdout + drift.stderr
-    assert GLUE + "text/plain" in drift.stdout and "1.5" in drift.stdout
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory) -> dict[str, str | None]:
+    """One nbval run over every planted drift below and its untouched copy (one pytest process
+    and one kernel start instead of one per notebook)."""
+    folder = tmp_path_factory.mktemp("planted")
+    small, ignored = small_notebook(tags=[]), small_notebook(tags=["nbval-ignore-output"])
+    write(small, folder / "ok.ipynb")
+    write(plant(small, "ratio", "1.5"), folder / "drift.ipynb")
     # the five decimals of book/sanitize.cfg: a difference in the sixth is rounding, not drift
-    same = nbval(write(plant(nb, "ratio", "1.4142139"), tmp_path / "same.ipynb"))
-    assert same.returncode == 0, same.stdout + same.stderr
-
-
-@pytest.mark.slow
-def test_nbval_ignores_glue_in_an_ignored_cell(tmp_path):
-    """What nbval does not see: in a cell tagged nbval-ignore-output a drifted glue record
-    passes. Such a cell asserts the claim its text makes (CONTRIBUTING)."""
-    nb = small_notebook(tags=["nbval-ignore-output"])
-    drift = nbval(write(plant(nb, "ratio", "1.5"), tmp_path / "ignored.ipynb"))
-    assert drift.returncode == 0, drift.stdout + drift.stderr
-
-
-@pytest.mark.slow
-def test_nbval_catches_drift_in_a_chapter(tmp_path):
-    """The same on a real chapter: a copy of 7.1 passes nbval, and with the stored parameter
-    count of the base model (which its text quotes) changed it fails, at that cell."""
+    write(plant(small, "ratio", "1.4142139"), folder / "same.ipynb")
+    write(plant(ignored, "ratio", "1.5"), folder / "ignored.ipynb")
     nb = read(BOOK / "07_1_model.ipynb")
     names = glued(nb)
     assert "base_params" in names
@@ -279,8 +268,33 @@ def test_nbval_catches_drift_in_a_chapter(tmp_path):
     index = next(i for i, c in enumerate(nb["cells"]) if c.get("id") == cell_id)
     cut = copy.deepcopy(nb)
     cut["cells"] = cut["cells"][:index + 1]              # nothing after it is needed
-    ok = nbval(write(cut, tmp_path / "model_ok.ipynb"))
-    assert ok.returncode == 0, ok.stdout + ok.stderr
-    drift = nbval(write(plant(cut, "base_params", "65000000"), tmp_path / "model_drift.ipynb"))
-    assert drift.returncode == 1, drift.stdout + drift.stderr
-    assert "65000000" in drift.stdout and GLUE in drift.stdout
+    write(cut, folder / "model_ok.ipynb")
+    write(plant(cut, "base_params", "65000000"), folder / "model_drift.ipynb")
+    return nbval(folder)
+
+
+@pytest.mark.slow
+def test_nbval_catches_a_drifted_glue_value(planted):
+    """A glued value whose stored record a fresh run does not reproduce fails nbval; the same
+    notebook unchanged passes. The prose quotes that record, so the drift the issue found (text
+    that disagrees with the code) fails the suite."""
+    assert planted["ok.ipynb"] is None, planted["ok.ipynb"]
+    drift = planted["drift.ipynb"]
+    assert drift is not None and GLUE + "text/plain" in drift and "1.5" in drift, drift
+    assert planted["same.ipynb"] is None, planted["same.ipynb"]
+
+
+@pytest.mark.slow
+def test_nbval_ignores_glue_in_an_ignored_cell(planted):
+    """What nbval does not see: in a cell tagged nbval-ignore-output a drifted glue record
+    passes. Such a cell asserts the claim its text makes (CONTRIBUTING)."""
+    assert planted["ignored.ipynb"] is None, planted["ignored.ipynb"]
+
+
+@pytest.mark.slow
+def test_nbval_catches_drift_in_a_chapter(planted):
+    """The same on a real chapter: a copy of 7.1 passes nbval, and with the stored parameter
+    count of the base model (which its text quotes) changed it fails, at that cell."""
+    assert planted["model_ok.ipynb"] is None, planted["model_ok.ipynb"]
+    drift = planted["model_drift.ipynb"]
+    assert drift is not None and "65000000" in drift and GLUE in drift, drift

@@ -132,3 +132,25 @@ def test_launch_buttons_name_colab_and_binder_and_the_repository_once():
     url = config["repository"]["url"]
     for path in [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *ROOT.glob("book/*.md")]:
         assert url not in path.read_text() or path.name == "README.md", f"{path} repeats the repository's address"
+
+
+def test_a_weekly_job_runs_the_second_numeric_regime(wf):
+    "CONTRIBUTING, 'Any CPU': .ci/regime, every Monday, with what the test job installs."
+    job = wf["jobs"]["regime"]
+    assert "schedule" in job["if"] and "python -m pip install -r requirements.txt" in runs(job)
+    assert runs(job)[-1] == "bash .ci/regime" and wf["on"]["schedule"]
+    script = (ROOT / ".ci" / "regime").read_text()
+    assert "OMP_NUM_THREADS" in script and "TRANSFORMER_SEED_SHIFT" in script and "tests/regime" in script
+
+
+@pytest.mark.slow
+def test_the_regime_shifts_every_seed_in_a_new_process():
+    "tests/regime/sitecustomize.py: seed 0 under TRANSFORMER_SEED_SHIFT=1 draws what seed 1 draws without it."
+    import sys
+    draw = ("import random, numpy, torch; torch.manual_seed(0); random.seed(0); numpy.random.seed(0); "
+            "print(torch.rand(1).item(), random.random(), numpy.random.rand())")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMER_SEED_SHIFT")}
+    out = lambda code, **extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                               env={**env, **extra}, check=True).stdout
+    shifted = out(draw, PYTHONPATH=str(ROOT / "tests" / "regime"), TRANSFORMER_SEED_SHIFT="1")
+    assert shifted == out(draw.replace("(0)", "(1)")) != out(draw)
