@@ -45,6 +45,7 @@ def test_every_chapter_page_exists_with_outputs(built_book):
     assert (built_book / "_static" / "vega-bundle.js").stat().st_size > 100_000, "the offline vega bundle is missing"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chapter", CHAPTERS)
 def test_chart_specs_compile(chapter):
     "Every stored chart is a valid Vega-Lite spec (vl-convert compiles it, no browser needed)."

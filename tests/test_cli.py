@@ -405,6 +405,7 @@ def test_attend_help_states_the_limits_plots_enforces(capsys):
             in text), text
 
 
+@pytest.mark.slow
 def test_a_modified_corpus_is_refused_unless_asked_for(tmp_path):
     "Issue 28 (8): val.de.gz shifted by one line (same line count) was scored against misaligned references."
     import gzip
@@ -765,6 +766,7 @@ def test_export_writes_a_model_as_the_field_ships_one(trained, tmp_path):
     assert_one_line_error(code, stdout, err, 1, "exists and is not an empty directory")
 
 
+@pytest.mark.slow
 def test_the_shipped_model_translates_on_a_fresh_clone():
     "book/model: float16 safetensors whose sha256 is recorded and checked, a model card, no training needed."
     from transformer.data import sha256_file
@@ -925,6 +927,7 @@ ONSHARDS = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "-
          "--threads", 1, "--quiet", "--log-every", 1, "--average", 0]
 
 
+@pytest.mark.slow
 def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, tmp_path):
     "The same tokenizer, the same batches and losses, the same scores: one run from text, one from the shards."
     code, _, err = run(*ONSHARDS, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
@@ -946,6 +949,7 @@ def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k
     assert config["train"]["subword_dropout"] == 0 and config["data"]["corpus_pairs"] == 29_000
 
 
+@pytest.mark.slow
 def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, tmp_path):
     code, _, err = run(*ONSHARDS, "--max-steps", 2, "--data", prepared_multi30k, "--out", tmp_path / "run",
                        "--eval-split", "val")
@@ -967,6 +971,7 @@ def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, t
     (["--vocab-size", 500], "the prepared corpus's tokenizer has 1000 pieces"),
     (["--eval-split", "test_2016_flickr"], "names a Multi30k split"),
 ])
+@pytest.mark.slow
 def test_a_prepared_corpus_refuses_what_needs_text(prepared_multi30k, tmp_path, flags, match):
     assert_one_line_error(*run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "r", *flags), 1, match)
     assert not (tmp_path / "r").exists()

@@ -52,6 +52,7 @@ def test_translate_keeps_empty_lines_and_splits_every_line_ending(alone, monkeyp
     assert asked == [SENTENCES]                                   # the empty lines never reach the model
 
 
+@pytest.mark.slow
 def test_translate_empty_arguments_stay_in_place(alone):
     code, out, err = run("translate", "--model", MODEL, "--beam", 1, SENTENCES[0], "", SENTENCES[1])
     assert code == 0 and out == alone[0] + "\n" + alone[1], err
@@ -69,6 +70,7 @@ def _never(*args, **kwargs):
     raise AssertionError("called after the limit was found exceeded")
 
 
+@pytest.mark.slow
 def test_attend_refuses_a_sentence_longer_than_a_map_before_translating(tmp_path, monkeypatch):
     monkeypatch.setattr(plots, "attention_weights", _never)
     code, out, err = run("attend", "--model", MODEL, "--kind", "encoder", _sentence(301), "--out", tmp_path / "a.png")
@@ -77,6 +79,7 @@ def test_attend_refuses_a_sentence_longer_than_a_map_before_translating(tmp_path
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_attend_refuses_a_figure_over_the_pixel_limit_and_one_panel_fits(tmp_path, monkeypatch):
     "101 pieces: 12 panels would be 13,571 x 10,238 pixels; --layer 1 --head 1 draws one panel of 3,573 x 3,573."
     real = plots.attention_maps
@@ -95,6 +98,7 @@ def test_attend_refuses_a_figure_over_the_pixel_limit_and_one_panel_fits(tmp_pat
     assert Image.open(out_png).size == plots.attention_maps_pixels(1, 1, 101, 101) == (3573, 3573)
 
 
+@pytest.mark.slow
 def test_attend_refuses_a_translation_longer_than_a_map(tmp_path, monkeypatch):
     "The limit on the pieces written is checked after the translation, before drawing."
     monkeypatch.setattr(plots, "MAX_PIECES", 6)                  # the sentence has 6 pieces, its translation more
@@ -105,6 +109,7 @@ def test_attend_refuses_a_translation_longer_than_a_map(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_the_size_attend_checks_is_the_size_it_draws():
     from PIL import Image
     shipped = load(MODEL)
@@ -153,6 +158,7 @@ def test_plot_refuses_a_run_given_twice_or_without_records(tmp_path):
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["metrics.jsonl", "run"]
 
 
+@pytest.mark.slow
 def test_plot_draws_nan_losses_and_records_without_the_optional_fields(tmp_path):
     "A diverged run logs NaN; an eval record without BLEU (no callback) is a record all the same."
     (tmp_path / "run").mkdir()
@@ -207,6 +213,7 @@ def _hold(run_dir: Path) -> subprocess.Popen:
     return holder
 
 
+@pytest.mark.slow
 def test_retry_failed_leaves_a_held_failed_run_alone(tmp_path, monkeypatch):
     out = tmp_path / "runs"
     (out / "a").mkdir(parents=True)
@@ -235,6 +242,7 @@ open(sys.argv[2], "w").write(str(holder.pid))
 sys.exit(1)"""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "evaluate"])
 def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch, command):
     out, pid_file = tmp_path / "runs", tmp_path / "holder.pid"

@@ -293,6 +293,7 @@ def long_corpus(prepared):
     return ShardedCorpus(corpus.dir, max_len=64), [e for e in examples if max(map(len, e)) <= 64]
 
 
+@pytest.mark.slow
 def test_training_on_a_prepared_corpus_is_training_on_its_examples(long_corpus, tmp_path):
     from transformer.engine.loop import train
     corpus, examples = long_corpus
@@ -304,6 +305,7 @@ def test_training_on_a_prepared_corpus_is_training_on_its_examples(long_corpus, 
         r["val_loss"] for r in b.history if r["kind"] == "eval"]
 
 
+@pytest.mark.slow
 def test_resume_in_the_middle_of_an_epoch_continues_with_the_next_batch(long_corpus, tmp_path):
     from transformer.engine.loop import train
     corpus, _ = long_corpus

@@ -75,6 +75,7 @@ def test_bad_inputs(fn, hyps, refs, error, match):
         fn(hyps, refs)
 
 
+@pytest.mark.slow
 def test_evaluate_and_callback_on_a_model():
     texts = ["one two three", "four five", "six seven eight nine"]
     tokenizer = Tokenizer.train(texts * 50, vocab_size=40)
@@ -136,6 +137,7 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
         assert got["out"] == pytest.approx(expected)
 
 
+@pytest.mark.slow
 def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
     from transformer.engine.loop import final_evaluation
@@ -161,6 +163,7 @@ def test_final_evaluation_averages_chooses_on_val_and_scores_test(tmp_path):
         final_evaluation(tmp_path / "empty", tokenizer, pairs)
 
 
+@pytest.mark.slow
 def test_final_evaluation_tries_windows_and_alphas_on_val(tmp_path):
     from transformer.engine.checkpoints import load_checkpoint, save_checkpoint
     from transformer.engine.loop import averaging_windows, final_evaluation

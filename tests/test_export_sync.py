@@ -18,6 +18,7 @@ def _py_files(d: Path) -> set[str]:
             if "__pycache__" not in p.parts and p.name not in IGNORED}
 
 
+@pytest.mark.slow
 def test_transformer_matches_book_export(tmp_path):
     work = tmp_path / "repo"
     shutil.copytree(ROOT / "book", work / "book", ignore=shutil.ignore_patterns("_build", ".ipynb_checkpoints"))

@@ -161,6 +161,7 @@ def test_autograd_gives_chapter_2s_gradients():
     assert all(t.grad.isfinite().all() for t in (a, b, c))
 
 
+@pytest.mark.slow
 def test_plain_peak_is_two_score_matrices_and_tiled_peak_does_not_grow():
     B, h, d, tile = 1, 2, 16, 32
     plain, tiled = {}, {}

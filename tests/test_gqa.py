@@ -73,6 +73,7 @@ def test_the_query_heads_of_a_group_read_one_key_value_head():
     assert changed == [False, False, True, True]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("g", [1, 3, 6])
 def test_cached_decoding_equals_the_full_forward(g):
     torch.manual_seed(10 + g)

@@ -87,6 +87,7 @@ def test_prepare_refuses_a_run_or_model_directory(texts, tmp_path, kind):
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
 
 
+@pytest.mark.slow
 def test_prepare_takes_the_run_lock(texts, tmp_path):
     out = tmp_path / "corpus"
     holder = _hold(out)
@@ -191,6 +192,7 @@ def test_a_corpus_opens_only_with_the_tokenizer_its_manifest_names(prepared, tmp
 
 # ---- 5. --resume compares every data-defining key the run recorded ---------------------------------------------------
 
+@pytest.mark.slow
 def test_resume_without_data_is_refused_naming_the_corpus(prepared, tmp_path):
     out = tmp_path / "run"
     code, _, err = run(*ONSHARDS, "--data", prepared, "--out", out)
@@ -215,6 +217,7 @@ def test_data_without_a_manifest_is_refused(prepared, tmp_path, leftover):
 
 # ---- 7. a resumed run averages only its own trajectory's snapshots ---------------------------------------------------
 
+@pytest.mark.slow
 def test_snapshots_newer_than_last_pt_are_dropped_on_resume(tmp_path):
     import torch
 

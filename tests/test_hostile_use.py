@@ -55,6 +55,7 @@ class _Trickle(io.RawIOBase):
         return len(data)
 
 
+@pytest.mark.slow
 def test_translate_writes_each_chunk_before_reading_the_rest(shipped, chunk_of_two, monkeypatch):
     "Old: stdin read whole first (205 MB: 2.73 GB, nothing written). Now chunk 1 is out after 2 lines of 5 are read."
     trickle = _Trickle([s.encode() + b"\n" for s in SENTENCES])
@@ -72,6 +73,7 @@ def test_translate_writes_each_chunk_before_reading_the_rest(shipped, chunk_of_t
     assert seen[0] <= 3 < len(SENTENCES), seen
 
 
+@pytest.mark.slow
 def test_a_batch_stays_within_the_token_budget(monkeypatch):
     "Old: 64 sentences a batch whatever their length (64 x 50k characters, beam 4: over 4 GB). Now a token budget."
     batches = []
@@ -103,6 +105,7 @@ def test_trained_model_translate_names_a_bad_item(shipped):
             shipped.translate(bad, beam=1)
 
 
+@pytest.mark.slow
 def test_trained_model_translate_shows_progress_for_long_lists(shipped, chunk_of_two, capsys):
     "Old: 10,000 sentences showed nothing. Now a bar on stderr for lists longer than a chunk; none for short ones."
     out = shipped.translate(SENTENCES[:3], beam=1, batch_tokens=500)
@@ -120,6 +123,7 @@ def _files(tmp_path, n=6, newline="\n"):
     return pairs, src, ref
 
 
+@pytest.mark.slow
 def test_evaluate_writes_its_output_as_it_goes_and_scores_the_same(multi30k, chunk_of_two, tmp_path, monkeypatch):
     "Old: all translations held, then written at once. Now a chunk at a time, scored from summed statistics."
     pairs, src, ref = _files(tmp_path)
@@ -176,6 +180,7 @@ def test_translate_refuses_a_line_without_an_end(monkeypatch):
                                              "sentence a line")
 
 
+@pytest.mark.slow
 def test_evaluate_reads_lone_cr_line_endings(multi30k, tmp_path):
     "Old: a file with lone CR line endings was one line, and sentencepiece's INTERNAL error."
     pairs, src, ref = _files(tmp_path, 3, newline="\r")

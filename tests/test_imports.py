@@ -170,6 +170,7 @@ def test_every_import_goes_down_the_layers_and_no_private_name_crosses_a_module(
     assert not found, "\n".join(found)
 
 
+@pytest.mark.slow
 @pytest.mark.xfail(bool(PENDING), reason="the breaches in PENDING are not fixed yet", strict=False)
 def test_no_breach_at_all_not_even_a_pending_one():
     found = violations(ROOT / "transformer", LAYERS)
@@ -276,6 +277,7 @@ def test_no_chapter_imports_the_command_line():
                        "(engine.trained, engine.devices):\n" + "\n".join(found))
 
 
+@pytest.mark.slow
 def test_only_the_command_line_and_main_import_the_command_line():
     "The layers keep every listed module below cli from importing it; this also holds the public API, __init__, to it."
     found = sorted({f"transformer/{_show(e.module)}:{e.line} imports {e.target}"

@@ -38,6 +38,7 @@ CONFIGS = [dict(), dict(tie_embeddings=True), dict(g=4), dict(g=1, n_layers=3),
            dict(d_k=8, rope_base=500000.0, norm_eps=1e-6)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", CONFIGS)
 def test_logits_equal_llama_for_causal_lm(overrides):
     ours = _random(0, **overrides)
@@ -47,6 +48,7 @@ def test_logits_equal_llama_for_causal_lm(overrides):
         assert (ours(ids) - hf(ids).logits).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", CONFIGS[:3])
 def test_cached_decoding_equals_hf_cached_and_full(overrides):
     ours = _random(2, **overrides)
@@ -67,6 +69,7 @@ def test_cached_decoding_equals_hf_cached_and_full(overrides):
     assert (mine - full).abs().max() < 1e-5
 
 
+@pytest.mark.slow
 def test_without_the_row_reordering_the_models_differ():
     ours = _random(4)
     hf = _twin(ours)
@@ -81,6 +84,7 @@ def test_without_the_row_reordering_the_models_differ():
         assert (ours(ids) - hf(ids).logits).abs().max() > 1e-2
 
 
+@pytest.mark.slow
 def test_generate_equals_hf_greedy_and_the_no_cache_loop():
     ours = _random(6, g=1)
     hf = _twin(ours)
@@ -95,6 +99,7 @@ def test_generate_equals_hf_greedy_and_the_no_cache_loop():
     assert torch.equal(tokens, theirs) and torch.equal(tokens, slow)
 
 
+@pytest.mark.slow
 def test_generate_stops_rows_at_eos():
     ours = _random(8)
     prompt = torch.randint(0, 256, (3, 3), generator=torch.Generator().manual_seed(9))
@@ -123,6 +128,7 @@ def test_package_does_not_import_transformers():
     assert "import transformers" not in source and "from transformers" not in source
 
 
+@pytest.mark.slow
 def test_parameter_counts_of_the_presets():
     for name, expected in (("7b", 6_738_415_616), ("70b", 68_976_648_192)):
         with torch.device("meta"):

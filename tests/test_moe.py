@@ -123,6 +123,7 @@ def test_aux_loss_is_one_for_uniform_routing_and_grows_with_skew():
     assert values[0] < 1.01 and all(a < b for a, b in pairwise(values))
 
 
+@pytest.mark.slow
 def test_aux_loss_is_hugging_face_mixtral_divided_by_k():
     mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
     g = torch.Generator().manual_seed(1)

@@ -163,6 +163,7 @@ def notebook_timing_asserts(path: Path) -> list[str]:
     return found
 
 
+@pytest.mark.slow
 def test_no_assert_on_a_timing_in_book_or_tests():
     problems = []
     for path in sorted((ROOT / "book").glob("*.ipynb")):

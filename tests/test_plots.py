@@ -133,6 +133,7 @@ def shipped():
     return model, tokenizer, plots.attention_weights(model, tokenizer, SENTENCE)
 
 
+@pytest.mark.slow
 def test_attention_weights_of_the_shipped_model(shipped):
     model, tokenizer, att = shipped
     N, h = model.config.n_layers, model.config.h
@@ -173,6 +174,7 @@ def test_recording_attention_asks_for_weights_passed_either_way():
     assert mha(x, x, x)[1] is None                  # the hooks are gone after the block
 
 
+@pytest.mark.slow
 def test_attention_weights_leave_training_mode_and_take_a_beam(shipped):
     model, tokenizer, _ = shipped
     model.train()
@@ -187,6 +189,7 @@ def test_attention_weights_leave_training_mode_and_take_a_beam(shipped):
             plots.attention_weights(model, tokenizer, bad)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(plots.KINDS))
 def test_attention_maps_grid_of_every_layer_and_head(shipped, kind):
     model, _, att = shipped
@@ -208,6 +211,7 @@ def test_attention_maps_grid_of_every_layer_and_head(shipped, kind):
     assert plots.KINDS[kind] in fig.get_suptitle() and att.translation in fig.get_suptitle()
 
 
+@pytest.mark.slow
 def test_attention_maps_one_layer_one_head_and_errors(shipped):
     model, _, att = shipped
     N, h = model.config.n_layers, model.config.h
@@ -363,6 +367,7 @@ def _bad_cases(tmp: Path) -> list:
     ]
 
 
+@pytest.mark.slow
 def test_every_bad_input_is_one_line_and_writes_nothing(tmp_path):
     for what, argv, expected, match in _bad_cases(tmp_path):
         code, out, err = run(*argv)

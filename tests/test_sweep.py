@@ -108,6 +108,7 @@ def test_good_variant_file_and_defaults(tmp_path):
     assert read_variants(path) == ([], [])
 
 
+@pytest.mark.slow
 def test_the_committed_variant_file_is_valid():
     "Every variant of the book's sweep parses as a train (or evaluate) command and gives a valid model config."
     from transformer.cli.commands import build_parser
@@ -387,6 +388,7 @@ def _children(monkeypatch, commands: dict[str, list[str]]):
     return jobs
 
 
+@pytest.mark.slow
 def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
     "A run still alive (from an earlier sweep) holds its lock: the sweep neither clears its files nor starts it."
     out = tmp_path / "runs"
@@ -410,6 +412,7 @@ def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
     assert run_state(out / "b") == "new" and (out / "b" / "log.txt").exists()   # b ran (a train stand-in)
 
 
+@pytest.mark.slow
 def test_output_the_sweep_cannot_parse_is_a_failure_and_the_sweep_goes_on(tmp_path, monkeypatch):
     "`evaluate --help` prints no JSON line; a child that prints 100 KB must not block the sweep on a pipe."
     big = "import json\nprint('x' * 100_000)\nprint(json.dumps({'bleu': 1.5}))"

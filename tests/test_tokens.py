@@ -89,6 +89,7 @@ def test_save_load(tok, tmp_path):
     assert pickle.loads(pickle.dumps(tok)) == tok
 
 
+@pytest.mark.slow
 def test_deterministic(train_texts, tok):
     "Same corpus and vocabulary size, same pieces: a tokenizer can be rebuilt, not just stored."
     again = Tokenizer.train(train_texts, vocab_size=2000)
@@ -264,6 +265,7 @@ def test_batches_shard_by_rank(world_size):
     assert sorted(seen + [i for b in dropped for i in b]) == list(range(500))
 
 
+@pytest.mark.slow
 def test_bucketing_pads_less_than_random_batches(tok):
     pairs = multi30k("train")[:4000]
     src = tok.encode_batch([s for s, _ in pairs], bos=True, eos=True)

@@ -185,6 +185,7 @@ def test_checkpoint_prefixes_are_stripped(tmp_path):
     model_from_checkpoint(state)                                       # loads without error
 
 
+@pytest.mark.slow
 def test_compiled_model_saves_without_prefix(tmp_path):
     model = Transformer(tiny_config())
     compiled = torch.compile(model)                                    # wrapping only; nothing is compiled
@@ -291,6 +292,7 @@ def test_resume_gives_identical_losses_and_weights(tmp_path):
     assert {"last.pt", "best.pt", "metrics.jsonl"} <= {p.name for p in (tmp_path / "b").iterdir()}
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_different_config(tmp_path):
     run_steps(tmp_path, 4)
     with pytest.raises(ValueError, match="training config differs.*warmup=21"):
@@ -302,6 +304,7 @@ def test_resume_refuses_a_different_config(tmp_path):
               progress=False)
 
 
+@pytest.mark.slow
 def test_nan_stops_before_the_update_and_keeps_the_last_good_checkpoint(tmp_path):
     torch.manual_seed(0)
     model = Transformer(tiny_config())
@@ -324,6 +327,7 @@ def test_nan_stops_before_the_update_and_keeps_the_last_good_checkpoint(tmp_path
     assert all(torch.isfinite(p).all() for p in model.parameters())    # the bad step was not applied
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_finishes_the_step_saves_and_says_which(tmp_path, signum):
     "Ctrl-C, and SIGTERM (what kill and schedulers send) as Ctrl-C: finish the step, save last.pt, say which."
@@ -506,6 +510,7 @@ def test_max_minutes_stops_and_evaluates(tmp_path):
     # (36 s): it stops at 20, whose evaluation is the final one (30 s). Counting one evaluation
     # there would go on and end at 36 s
     (33, 20, 30.0)])
+@pytest.mark.slow
 def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monkeypatch, budget, last, end):
     """On a fake clock where a step takes 1 s and an evaluation 5 s, a run stops while one more
     step and the final evaluation still fit: it reports at most its budget."""
@@ -533,6 +538,7 @@ def test_max_minutes_leaves_room_for_the_last_step_and_evaluation(tmp_path, monk
     assert result.history[-1]["kind"] == "eval" and result.history[-1]["seconds"] == end <= budget
 
 
+@pytest.mark.slow
 def test_on_eval_bleu_picks_best(tmp_path):
     scores = iter([10.0, 30.0, 20.0])
     result = train(Transformer(tiny_config()), copy_examples(200), copy_examples(20, seed=3),
@@ -595,6 +601,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 
 # --- checkpoint averaging, CPU bf16 -----------------------------------------------------------
 
+@pytest.mark.slow
 def test_snapshots_keep_the_last_n_and_average_to_their_mean(tmp_path):
     from transformer.engine.loop import average_checkpoints
     torch.manual_seed(0)
@@ -655,6 +662,7 @@ def test_snapshot_config_validation(kwargs, match):
         TrainConfig(**kwargs)
 
 
+@pytest.mark.slow
 def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
     from transformer.engine.devices import cpu_has_bf16_units
     assert isinstance(cpu_has_bf16_units(), bool)

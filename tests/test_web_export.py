@@ -122,6 +122,7 @@ def test_the_graphs_name_their_inputs_and_outputs_with_dynamic_dimensions():
             [([8000, 256], web.EMBEDDING_FILE)]
 
 
+@pytest.mark.slow
 def test_the_int8_graphs_stay_within_the_measured_bounds_at_new_shapes(shipped):
     model = shipped.model.float().eval()
     for B, S, T in ((1, 5, 1), (3, 17, 6)):   # the export's example: (2, 4, 2)
@@ -139,6 +140,7 @@ def test_webmodel_greedy_follows_eos_and_padding(shipped):
 
 # --- export on a tiny random model: the mechanics, fast -------------------------------------------------
 
+@pytest.mark.slow
 def test_float32_graphs_equal_pytorch_at_shapes_other_than_the_example(tiny_model, tmp_path):
     web.export_graphs(tiny_model, tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"encoder": "encoder.onnx", "decoder": "decoder.onnx"}))
@@ -158,6 +160,7 @@ def test_the_wrapper_equals_the_chapters_decoding_path(tiny_model):
     assert (cross[:, 1, :, 9 // 2:] == 0).all()           # no weight on the padded source
 
 
+@pytest.mark.slow
 def test_quantize_int8_shares_one_embedding_and_shrinks_the_graphs(tiny_model, tmp_path):
     paths = web.export_graphs(tiny_model, tmp_path)
     before = sum(p.stat().st_size for p in paths)
