@@ -90,6 +90,7 @@ def test_decoder_layer_matches_torch(norm_first):
     assert (got - want).abs().max().item() < 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_stacks_match_torch(norm_first):
@@ -198,8 +199,8 @@ def test_layers_use_torch_dropout_until_sped_up(norm_first):
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_layer_with_a_kv_cache_equals_the_causal_pass(norm_first):
-    "EncoderLayer(x, mask, cache) one token at a time (chapter 19.1's decoder-only model) = the causal mask at once."
-    from transformer.decoding import KVCache
+    "cached_encoder_layer one token at a time (chapter 19.1's decoder-only model) = EncoderLayer with the causal mask."
+    from transformer.decoding import KVCache, cached_encoder_layer
     torch.manual_seed(0)
     layer = EncoderLayer(D, H, D_FF, dropout=0.0, norm_first=norm_first).double().eval()
     randomize_norms(layer)
@@ -207,14 +208,14 @@ def test_encoder_layer_with_a_kv_cache_equals_the_causal_pass(norm_first):
     T = y.size(1)
     full = layer(y, torch.ones(T, T, dtype=torch.bool).tril())
     cache = KVCache(capacity=T)
-    steps = [layer(y[:, t:t + 1], cache=cache) for t in range(T)]
+    steps = [cached_encoder_layer(layer, y[:, t:t + 1], None, cache) for t in range(T)]
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-10
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_decoder_with_caches_equals_the_causal_pass(norm_first):
-    "Decoder(..., caches=[(self, cross) per layer]) one token at a time = the causal pass over the whole target."
-    from transformer.decoding import KVCache
+    "cached_decoder_layer through the stack, (self, cross) caches per layer, one token at a time = the causal pass."
+    from transformer.decoding import KVCache, cached_decoder_layer
     torch.manual_seed(0)
     dec = Decoder(D, H, D_FF, 2, dropout=0.0, norm_first=norm_first).double().eval()
     randomize_norms(dec)
@@ -223,6 +224,10 @@ def test_decoder_with_caches_equals_the_causal_pass(norm_first):
     memory_mask = keep[:, None, None, :]
     full = dec(y, memory, None, memory_mask, tgt_is_causal=True)
     caches = [(KVCache(capacity=T), KVCache(fixed=True)) for _ in dec.layers]
-    steps = [dec(y[:, t:t + 1], memory, None, memory_mask, caches=caches) for t in range(T)]
+    def step(y_t):
+        for layer, pair in zip(dec.layers, caches):
+            y_t = cached_decoder_layer(layer, y_t, memory, memory_mask, pair)
+        return dec.norm(y_t)
+    steps = [step(y[:, t:t + 1]) for t in range(T)]
     assert all(c[0].length == T and c[1].length == memory.size(1) for c in caches)
     assert (torch.cat(steps, 1) - full).abs().max().item() < 1e-10

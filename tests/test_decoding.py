@@ -54,6 +54,7 @@ def test_greedy_and_beam_copy_exactly(copier):
         assert sum(g == w for g, w in zip(got, want)) >= 50
 
 
+@pytest.mark.slow
 def test_beam_size_one_is_greedy(random_model):
     torch.manual_seed(2)
     src = torch.randint(4, 20, (12, 9))
@@ -261,17 +262,17 @@ def test_beam_search_with_the_cache_equals_without_in_float64():
                 == beam_search(model, src, K, alpha, extra, cache=False)), (K, alpha, extra)
 
 
-def test_the_cached_step_goes_through_multi_head_attention_with_a_cache(monkeypatch):
-    "No second attention: every cached step calls MultiHeadAttention.forward with one new query and a cache."
-    from transformer.heads import MultiHeadAttention
+def test_the_cached_step_goes_through_cached_attention_with_a_cache(monkeypatch):
+    "Every cached step calls cached_attention (chapter 4's module over a KVCache) with one new query and a cache."
+    import transformer.decoding as decoding
     calls = []
-    original = MultiHeadAttention.forward
+    original = decoding.cached_attention
 
-    def spy(self, query, key, value, *args, cache=None, **kwargs):
-        calls.append((query.size(1), cache is not None and cache.fixed))
-        return original(self, query, key, value, *args, cache=cache, **kwargs)
+    def spy(attn, query, kv, cache, *args, **kwargs):
+        calls.append((query.size(1), cache.fixed))
+        return original(attn, query, kv, cache, *args, **kwargs)
 
-    monkeypatch.setattr(MultiHeadAttention, "forward", spy)
+    monkeypatch.setattr(decoding, "cached_attention", spy)
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
                                           dropout=0.0, max_len=64)).eval()

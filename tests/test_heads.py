@@ -348,31 +348,31 @@ def test_split_and_merge_heads_are_inverse(h):
 
 @pytest.mark.parametrize("d_k", [None, 3])
 def test_kv_cache_one_token_at_a_time_equals_the_causal_pass(d_k):
-    "Self-attention fed one token at a time with a KVCache gives the full causal pass's outputs, position by position."
-    from transformer.decoding import KVCache
+    "Self-attention fed one token at a time with a KVCache (`cached_attention`) gives the full causal pass's outputs."
+    from transformer.decoding import KVCache, cached_attention
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, d_k=d_k).double().eval()
     s = x(2, 7)
     full, _ = m(s, s, s, is_causal=True)
     cache = KVCache(capacity=7)
-    steps = [m(s[:, t:t + 1], s[:, t:t + 1], s[:, t:t + 1], cache=cache)[0] for t in range(7)]
+    steps = [cached_attention(m, s[:, t:t + 1], s[:, t:t + 1], cache) for t in range(7)]
     assert cache.length == 7
     check(torch.cat(steps, 1), full)
     prefix_cache = KVCache(capacity=7)                              # a prefix of 3 at once, then one at a time
-    first, _ = m(s[:, :3], s[:, :3], s[:, :3], torch.ones(3, 3, dtype=torch.bool).tril(), cache=prefix_cache)
-    rest = [m(s[:, t:t + 1], s[:, t:t + 1], s[:, t:t + 1], cache=prefix_cache)[0] for t in range(3, 7)]
+    first = cached_attention(m, s[:, :3], s[:, :3], prefix_cache, torch.ones(3, 3, dtype=torch.bool).tril())
+    rest = [cached_attention(m, s[:, t:t + 1], s[:, t:t + 1], prefix_cache) for t in range(3, 7)]
     check(torch.cat([first, *rest], 1), full)
 
 
 def test_fixed_kv_cache_keeps_the_memory_of_the_first_call():
     "Cross-attention with `KVCache(fixed=True)`: the memory's keys and values are computed once, then only read."
-    from transformer.decoding import KVCache
+    from transformer.decoding import KVCache, cached_attention
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4).double().eval()
     y, memory = x(2, 5), x(2, 9, seed=2)
     full, _ = m(y, memory, memory)
     cache = KVCache(fixed=True)
-    steps = [m(y[:, :1], memory, memory, cache=cache)[0]]
-    steps += [m(y[:, t:t + 1], memory * 0, memory * 0, cache=cache)[0] for t in range(1, 5)]  # not re-read
+    steps = [cached_attention(m, y[:, :1], memory, cache)]
+    steps += [cached_attention(m, y[:, t:t + 1], memory * 0, cache) for t in range(1, 5)]  # not re-read
     assert cache.length == 9
     check(torch.cat(steps, 1), full)

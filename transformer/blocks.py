@@ -22,7 +22,7 @@ class FeedForward(nn.Module):
         hidden = torch.relu(self.w_1(x))                           # (B, T, d_ff)
         return self.w_2(self.dropout(hidden))                      # (B, T, d_model)
 
-# %% ../book/06_blocks.ipynb #c015b
+# %% ../book/06_blocks.ipynb #c016
 def residual(x: torch.Tensor, sublayer, norm: nn.Module, dropout: nn.Module,
              norm_first: bool) -> torch.Tensor:
     """One wrapped sub-layer: LayerNorm(x + Dropout(Sublayer(x))), post-LN as in the
@@ -31,7 +31,7 @@ def residual(x: torch.Tensor, sublayer, norm: nn.Module, dropout: nn.Module,
         return x + dropout(sublayer(norm(x)))
     return norm(x + dropout(sublayer(x)))
 
-# %% ../book/06_blocks.ipynb #c016
+
 class EncoderLayer(nn.Module):
     """Self-attention then FFN, each wrapped by `residual`. `dropout`: the paper's; tensor2tensor's
     `attention_dropout` (attention weights) and `ffn_dropout` (FFN hidden units): off by default."""
@@ -45,10 +45,9 @@ class EncoderLayer(nn.Module):
         self.dropout1, self.dropout2 = nn.Dropout(dropout), nn.Dropout(dropout)
         self.norm_first = norm_first
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
-                cache=None) -> torch.Tensor:                  # x: (B, T, d_model)
-        "cache: a `KVCache` for the self-attention (chapter 19.1 decodes with it)."
-        x = residual(x, lambda z: self.self_attn(z, z, z, mask, cache=cache)[0],
+    def forward(self, x: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:  # x: (B, T, d_model)
+        x = residual(x, lambda z: self.self_attn(z, z, z, mask)[0],
                      self.norm1, self.dropout1, self.norm_first)
         return residual(x, self.feed_forward, self.norm2, self.dropout2, self.norm_first)
 
@@ -67,29 +66,26 @@ class DecoderLayer(nn.Module):
         self.dropout1, self.dropout2, self.dropout3 = (nn.Dropout(dropout) for _ in range(3))
         self.norm_first = norm_first
 
-    def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None,
-                tgt_is_causal: bool = False, cache=None) -> torch.Tensor:
-        """y (B, T, d_model), memory (B, S, d_model). `tgt_is_causal`: the causal mask as a flag
-        (with `tgt_mask=None`). cache: a (self, cross) pair of `KVCache` objects (chapter 9)."""
-        self_cache, cross_cache = cache or (None, None)
-        y = residual(y, lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal,
-                                                 cache=self_cache)[0],
+    def forward(self, y: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None, tgt_is_causal: bool = False):
+        "y (B, T, d_model), memory (B, S, d_model); `tgt_is_causal`: the causal mask as a flag."
+        y = residual(y, lambda z: self.self_attn(z, z, z, tgt_mask, is_causal=tgt_is_causal)[0],
                      self.norm1, self.dropout1, self.norm_first)
-        y = residual(y, lambda z: self.cross_attn(z, memory, memory, memory_mask,
-                                                  cache=cross_cache)[0],
+        y = residual(y, lambda z: self.cross_attn(z, memory, memory, memory_mask)[0],
                      self.norm2, self.dropout2, self.norm_first)
         return residual(y, self.feed_forward, self.norm3, self.dropout3, self.norm_first)
 
 # %% ../book/06_blocks.ipynb #c023
 class Encoder(nn.Module):
-    """N encoder layers (`*args, **kwargs`: `EncoderLayer`'s after d_ff); a final LayerNorm only
-    for pre-LN (post-LN layers end in one)."""
-    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, *args, **kwargs):
+    """N encoder layers (the other arguments: `EncoderLayer`'s); a final LayerNorm only for
+    pre-LN (post-LN layers end in one)."""
+    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
+                 norm_first: bool = False, attention_dropout: float = 0.0,
+                 ffn_dropout: float = 0.0, d_k: int | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(EncoderLayer(d_model, h, d_ff, *args, **kwargs)
-                                    for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            EncoderLayer(d_model, h, d_ff, dropout, norm_first, attention_dropout, ffn_dropout, d_k)
+            for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if self.layers[0].norm_first else nn.Identity()
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -97,21 +93,21 @@ class Encoder(nn.Module):
             x = layer(x, mask)
         return self.norm(x)                                     # (B, S, d_model)
 
-# %% ../book/06_blocks.ipynb #c024
+
 class Decoder(nn.Module):
-    """N decoder layers over the same memory (`*args, **kwargs`: `DecoderLayer`'s after d_ff);
-    a final LayerNorm only for pre-LN."""
-    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, *args, **kwargs):
+    """N decoder layers over the same memory (the other arguments: `DecoderLayer`'s); a final
+    LayerNorm only for pre-LN."""
+    def __init__(self, d_model: int, h: int, d_ff: int, n_layers: int, dropout: float = 0.1,
+                 norm_first: bool = False, attention_dropout: float = 0.0,
+                 ffn_dropout: float = 0.0, d_k: int | None = None):
         super().__init__()
-        self.layers = nn.ModuleList(DecoderLayer(d_model, h, d_ff, *args, **kwargs)
-                                    for _ in range(n_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(d_model, h, d_ff, dropout, norm_first, attention_dropout, ffn_dropout, d_k)
+            for _ in range(n_layers))
         self.norm = nn.LayerNorm(d_model) if self.layers[0].norm_first else nn.Identity()
 
-    def forward(self, y: torch.Tensor, memory: torch.Tensor,
-                tgt_mask: torch.Tensor | None = None,
-                memory_mask: torch.Tensor | None = None, tgt_is_causal: bool = False,
-                caches: list | None = None) -> torch.Tensor:
-        "caches: one pair of `KVCache` objects per layer (chapter 9), or None."
-        for layer, cache in zip(self.layers, caches or [None] * len(self.layers)):
-            y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal, cache)
+    def forward(self, y: torch.Tensor, memory: torch.Tensor, tgt_mask: torch.Tensor | None = None,
+                memory_mask: torch.Tensor | None = None, tgt_is_causal: bool = False):
+        for layer in self.layers:
+            y = layer(y, memory, tgt_mask, memory_mask, tgt_is_causal)
         return self.norm(y)                                     # (B, T, d_model)

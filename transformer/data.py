@@ -14,6 +14,7 @@ import urllib.request
 import warnings
 import zlib
 from collections.abc import Iterable, Sequence
+from dataclasses import fields
 from pathlib import Path
 
 import sentencepiece as spm
@@ -50,8 +51,9 @@ class DataError(UserError, ValueError):
 # %% auto #0
 __all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError',
            'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k',
-           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'check_id_batch', 'check_embedding',
-           'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows']
+           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding',
+           'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset',
+           'config_from_dict', 'check_inputs']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -501,6 +503,11 @@ class SentencePieceModel:
         return check_texts(texts)
 
 # %% ../book/a_data.ipynb #a_embchk
+def is_int(value) -> bool:
+    "An `int` and not a `bool` (`True` is the int 1 in Python): every count a user passes."
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def check_id_batch(batch):
     "A batch of id sequences for `decode_batch`: a list of sequences or a (B, T) tensor."
     if isinstance(batch, torch.Tensor) and batch.dim() != 2:
@@ -511,7 +518,7 @@ def check_id_batch(batch):
 def check_embedding(vocab_size: int, d_model: int, padding_idx: int | None) -> None:
     "The arguments of chapter 1's `Embeddings`, or the error that names the wrong one."
     for name, value in (("vocab_size", vocab_size), ("d_model", d_model)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     if padding_idx is not None and not 0 <= padding_idx < vocab_size:
         raise ValueError(f"padding_idx={padding_idx} is outside the vocabulary [0, {vocab_size})")
@@ -536,12 +543,11 @@ def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: in
         raise ValueError("token_batches got no sequences")
     for name, value, low in (("max_tokens", max_tokens, 1),
                              ("world_size", world_size, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        if not is_int(value) or value < low:
             raise ValueError(f"{name}={value!r} must be an int >= {low}")
-    if max_sentences is not None and (not isinstance(max_sentences, int)
-                                      or max_sentences < 1):
+    if max_sentences is not None and (not is_int(max_sentences) or max_sentences < 1):
         raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
+    if not is_int(rank) or not 0 <= rank < world_size:
         raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
     cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens, strict=True)]
     longest = max(range(len(cost)), key=cost.__getitem__)
@@ -585,3 +591,92 @@ def id_rows(seqs) -> list[torch.Tensor]:
                             "integers")
         rows.append(t.long())
     return rows
+
+# %% ../book/a_data.ipynb #a_modelchk
+def check_config(c, names: dict) -> None:
+    """`TransformerConfig`'s boundary: every size and name, a wrong value named with the rule;
+    `names`: the values each name field may take (`{"positions": POSITIONS, ...}`)."""
+    for name in ("src_vocab", "tgt_vocab", "d_model", "d_ff", "h", "n_layers", "max_len", "d_k"):
+        value = getattr(c, name)
+        if not (is_int(value) and value >= 1 or name == "d_k" and value is None):
+            raise ValueError(f"{name}={value!r} must be a positive int"
+                             + (", or None for d_model / h" if name == "d_k" else ""))
+    if c.d_model % c.h:
+        divisors = [k for k in range(1, 33) if c.d_model % k == 0]
+        raise ValueError(f"d_model={c.d_model} is not divisible by h={c.h}; "
+                         f"choose h among the divisors of d_model, e.g. {divisors}")
+    if c.d_model % 2:
+        raise ValueError(f"d_model={c.d_model} must be even "
+                         "(the sinusoids come in sin/cos pairs)")
+    for name in ("dropout", "attention_dropout", "ffn_dropout"):
+        value = getattr(c, name)
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+                or not 0 <= value < 1):
+            raise ValueError(f"{name}={value!r} must be in [0, 1)")
+    for name, known in names.items():
+        if not isinstance(getattr(c, name), str) or getattr(c, name) not in known:
+            raise ValueError(f"{name}={getattr(c, name)!r} is not one of "
+                             f"{', '.join(map(repr, known))}")
+    if not 0 <= c.pad_id < min(c.src_vocab, c.tgt_vocab):
+        raise ValueError(f"pad_id={c.pad_id} must be a token id below both "
+                         f"vocab sizes (src_vocab={c.src_vocab}, "
+                         f"tgt_vocab={c.tgt_vocab})")
+
+
+def check_preset(name: str, overrides: dict, presets: dict) -> None:
+    "`TransformerConfig.preset`'s boundary: a known name, and both vocabulary sizes given."
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(presets)}")
+    missing = [k for k in ("src_vocab", "tgt_vocab") if k not in overrides]
+    if missing:
+        raise TypeError(f"preset({name!r}) needs "
+                        f"{' and '.join(f'{k}=' for k in missing)} "
+                        f"(the vocab_size of your tokenizer)")
+
+
+def config_from_dict(cls, d: dict):
+    """`cls(**d)` for a config dataclass, an unknown field refused by name: the one
+    `from_dict` of every config (chapter 7.1's `TransformerConfig`, chapter 8's `TrainConfig`)."""
+    known = {f.name for f in fields(cls)}
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; "
+                         f"known fields: {sorted(known)}")
+    return cls(**d)
+
+# %% ../book/a_data.ipynb #a_modelchk2
+def _check_token_ids(ids: torch.Tensor, vocab: int, max_len: int, name: str) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        shape = tuple(ids.shape) if isinstance(ids, torch.Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be token ids of shape (B, T), got {shape}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer token ids, got dtype {ids.dtype}")
+    if ids.size(1) == 0:
+        raise ValueError(f"{name} is empty (T=0); every sequence needs at least one token")
+    if ids.size(1) > max_len:
+        raise ValueError(f"{name} has length T={ids.size(1)} > max_len={max_len}; truncate it "
+                         f"or build the model with max_len>={ids.size(1)}")
+    if not torch.compiler.is_compiling():  # reads the data: a GPU host sync
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"{name} holds token id {lo if lo < 0 else hi} "
+                             f"outside the vocabulary [0, {vocab})")
+
+
+def check_inputs(config, src: torch.Tensor | None = None, tgt_in: torch.Tensor | None = None,
+                 memory: torch.Tensor | None = None) -> None:
+    """`Transformer`'s boundary (`forward`, `encode`, `decode`): token ids of shape (B, T),
+    integer, 1 <= T <= max_len, in the vocabulary, one batch size for source and target,
+    and a memory (B, S, d_model) that fits `tgt_in`."""
+    if src is not None:
+        _check_token_ids(src, config.src_vocab, config.max_len, "src")
+    if tgt_in is not None:
+        _check_token_ids(tgt_in, config.tgt_vocab, config.max_len, "tgt_in")
+    if src is not None and tgt_in is not None and src.size(0) != tgt_in.size(0):
+        raise ValueError("src and tgt_in have different batch sizes: "
+                         f"{src.size(0)} != {tgt_in.size(0)}")
+    if memory is not None and (memory.dim() != 3 or memory.size(0) != tgt_in.size(0)
+                               or memory.size(-1) != config.d_model):
+        raise ValueError(f"memory of shape {tuple(memory.shape)} does not fit "
+                         f"tgt_in of shape {tuple(tgt_in.shape)}; expected "
+                         f"(B={tgt_in.size(0)}, S, d_model={config.d_model})")

@@ -10,7 +10,7 @@ from .model import Transformer
 from .tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 
 # %% auto #0
-__all__ = ['length_penalty', 'PrefixDecoder', 'greedy_search', 'translate', 'KVCache', 'CachedDecoder', 'beam_search']
+__all__ = ['length_penalty', 'PrefixDecoder', 'greedy_search', 'translate', 'KVCache', 'cached_attention', 'cached_encoder_layer', 'cached_decoder_layer', 'CachedDecoder', 'beam_search']
 
 # %% ../book/09_decoding.ipynb #c005
 def length_penalty(length: int, alpha: float = 0.6) -> float:
@@ -107,6 +107,11 @@ def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
     return out
 
 # %% ../book/d_2_fast.ipynb #kv000a
+from .attention import scaled_dot_product_attention
+from .blocks import DecoderLayer, EncoderLayer, residual
+from .heads import MultiHeadAttention, merge_heads, split_heads
+
+
 class KVCache:
     """One attention layer's keys and values so far: two tensors (B, heads, capacity, d),
     allocated at the first `append` and filled in place; `length` positions are stored.
@@ -156,10 +161,43 @@ class KVCache:
                                          + self.v.numel() * self.v.element_size())
 
 
+def cached_attention(attn: MultiHeadAttention, query: torch.Tensor, kv: torch.Tensor,
+                     cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Chapter 4's `attn` for new queries over every key and value so far: `kv`'s keys and
+    values are appended to `cache` (a `fixed` cache: the first call's, then only read)."""
+    q = split_heads(attn.w_q(query), attn.h)                          # (B, h, T_q, d_k)
+    if not (cache.fixed and cache.length):
+        cache.append(split_heads(attn.w_k(kv), attn.h), split_heads(attn.w_v(kv), attn.h))
+    k, v = cache.k[:, :, :cache.length], cache.v[:, :, :cache.length]  # all so far
+    out, _ = scaled_dot_product_attention(q, k, v, mask, attn.dropout if attn.training else 0.0)
+    return attn.w_o(merge_heads(out))                                 # (B, T_q, d_model)
+
+
+def cached_encoder_layer(layer: EncoderLayer, x: torch.Tensor, mask: torch.Tensor | None,
+                         cache: KVCache) -> torch.Tensor:
+    "Chapter 6's `EncoderLayer.forward` for new positions `x`, self-attending over `cache`."
+    x = residual(x, lambda z: cached_attention(layer.self_attn, z, z, cache, mask),
+                 layer.norm1, layer.dropout1, layer.norm_first)
+    return residual(x, layer.feed_forward, layer.norm2, layer.dropout2, layer.norm_first)
+
+
+def cached_decoder_layer(layer: DecoderLayer, y: torch.Tensor, memory: torch.Tensor,
+                         memory_mask: torch.Tensor | None, caches: tuple[KVCache, KVCache]
+                         ) -> torch.Tensor:
+    """Chapter 6's `DecoderLayer.forward` for new target positions `y` (each sees every
+    earlier one: no mask); `caches`: the (self, cross) pair."""
+    y = residual(y, lambda z: cached_attention(layer.self_attn, z, z, caches[0]),
+                 layer.norm1, layer.dropout1, layer.norm_first)
+    y = residual(y, lambda z: cached_attention(layer.cross_attn, z, memory, caches[1],
+                                               memory_mask),
+                 layer.norm2, layer.dropout2, layer.norm_first)
+    return residual(y, layer.feed_forward, layer.norm3, layer.dropout3, layer.norm_first)
+
+
 class CachedDecoder:
-    """Next-token logits from the newest token only: `Transformer.decode` with a pair of
-    `KVCache` per decoder layer, self-attention's (one position per step) and
-    cross-attention's (the memory's keys and values, computed once)."""
+    """Next-token logits from the newest token only: `Transformer.decode` through
+    `cached_decoder_layer`, with a pair of `KVCache` per decoder layer, self-attention's (one
+    position per step) and cross-attention's (the memory's keys and values, computed once)."""
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
                  src_mask: torch.Tensor, capacity: int | None = None):
@@ -169,9 +207,11 @@ class CachedDecoder:
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
-        hidden = self.model.decode(ys[:, -1:], self.memory, self.src_mask,
-                                   caches=self.caches)      # (N, 1, d_model)
-        return self.model.generator(hidden[:, -1])          # (N, V)
+        m = self.model
+        y = m.pos(m.tgt_embed(ys[:, -1:]), self.caches[0][0].length)  # (N, 1, d_model)
+        for layer, pair in zip(m.decoder.layers, self.caches):
+            y = cached_decoder_layer(layer, y, self.memory, self.src_mask, pair)
+        return m.generator(m.decoder.norm(y)[:, -1])                  # (N, V)
 
     def reorder(self, rows: torch.Tensor | list[int]) -> None:
         "Beam search re-ordered the rows: every cache follows."

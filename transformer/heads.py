@@ -26,7 +26,7 @@ class MultiHeadAttention(nn.Module):
     of rows of `w_q`, `w_k`, `w_v`; the heads are concatenated and mixed by `w_o`. d_k = d_v =
     d_model / h (`d_k` narrows queries and keys alone). forward -> (output (B, T_q, d_model),
     weights (B, h, T_q, T_k) or None); mask: bool, broadcastable to (B, h, T_q, T_k), True =
-    may attend; cache: chapter 9's `KVCache` (decoding one token at a time)."""
+    may attend."""
 
     def __init__(self, d_model: int, h: int, dropout: float = 0.0, bias: bool = True,
                  d_k: int | None = None):
@@ -40,18 +40,13 @@ class MultiHeadAttention(nn.Module):
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, h={self.h}, d_k={self.d_k}, dropout={self.dropout}"
 
-    attend = staticmethod(scaled_dot_product_attention)  # Eq. (1), chapter 3
-
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                need_weights: bool = False, is_causal: bool = False, cache=None
+                need_weights: bool = False, is_causal: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
         q = split_heads(self.w_q(query), self.h)                  # (B, h, T_q, d_k)
-        if cache is not None and cache.fixed and cache.length:    # the memory's, kept
-            k, v = cache.k, cache.v
-        else:
-            k, v = split_heads(self.w_k(key), self.h), split_heads(self.w_v(value), self.h)
-            if cache is not None:
-                k, v = cache.append(k, v)                # (B, h, T_k, d_k): all so far
-        out, weights = self.attend(q, k, v, mask, self.dropout if self.training else 0.0,
-                                   need_weights, is_causal)       # (B, h, T_q, d_v)
+        k, v = split_heads(self.w_k(key), self.h), split_heads(self.w_v(value), self.h)
+        out, weights = scaled_dot_product_attention(              # Eq. (1), chapter 3
+            q, k, v, mask, self.dropout * self.training,          # dropout in training only
+            need_weights, is_causal)                              # (B, h, T_q, d_v)
         return self.w_o(merge_heads(out)), weights                # (B, T_q, d_model)
+

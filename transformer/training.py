@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .data import config_from_dict
 from .masking import teacher_forcing
-from .model import Transformer, config_from_dict
+from .model import Transformer
 from .tokens import PAD, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
@@ -103,7 +104,7 @@ def make_examples(tokenizer: Tokenizer, pairs: list[tuple[str, str]],
 # %% ../book/08_training.ipynb #c022
 class Seq2SeqLoss(nn.Module):
     """The model and its training loss in one forward: (src, tgt) ids
-    -> (smoothed loss sum, NLL sum). The ids must be checked already (`check_ids`)."""
+    -> (smoothed loss sum, NLL sum). The ids must be checked already (`features` does not)."""
 
     def __init__(self, model: Transformer, epsilon: float = 0.1):
         super().__init__()
@@ -112,7 +113,7 @@ class Seq2SeqLoss(nn.Module):
     def forward(self, src: torch.Tensor,
                 tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         tgt_in, tgt_out = teacher_forcing(tgt)                          # (B, T-1) each
-        hidden = self.model.features(src, tgt_in, check_ids=False)      # (B, T-1, d_model)
+        hidden = self.model.features(src, tgt_in)                       # (B, T-1, d_model)
         logits = self.model.generator(hidden)                           # (B, T-1, V)
         return label_smoothed_nll(logits, tgt_out, self.epsilon, self.model.config.pad_id)
 

@@ -112,10 +112,9 @@ class TorchTransformer(nn.Module):
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         return self.generator(self.features(src, tgt_in))
 
-    def features(self, src: torch.Tensor, tgt_in: torch.Tensor,
-                 check_ids: bool = True) -> torch.Tensor:
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """As ours: no source mask for a batch without padding (asked on the CPU only),
-        the causal hint alone in the decoder. No id checks (`check_ids` is ignored)."""
+        the causal hint alone in the decoder. No id checks, as ours."""
         pad = src == self.config.pad_id  # (B, S), True = pad
         if src.device.type == "cpu" and not torch.compiler.is_compiling():
             pad = pad if pad.any() else None

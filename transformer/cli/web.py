@@ -78,10 +78,9 @@ class RecordWeights(nn.Module):
         super().__init__()
         self.attention, self.weights = attention, None
 
-    def forward(self, query, key, value, mask=None, need_weights=False, is_causal=False,
-                cache=None):
+    def forward(self, query, key, value, mask=None, need_weights=False, is_causal=False):
         out, self.weights = self.attention(query, key, value, mask, need_weights=True,
-                                           is_causal=is_causal, cache=cache)
+                                           is_causal=is_causal)
         return out, self.weights
 
 

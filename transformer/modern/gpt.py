@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..blocks import Encoder
-from ..decoding import KVCache
+from ..decoding import KVCache, cached_encoder_layer
 from ..model import POSITIONS, Transformer, TransformerConfig
 from ..tokens import Embeddings
 
@@ -72,11 +72,9 @@ class DecoderOnly(nn.Module):
         if c.tie_embeddings:
             self.generator.weight = self.embed.embedding.weight
 
-    def features(self, src: torch.Tensor, tgt_in: torch.Tensor,
-                 check_ids: bool = True) -> torch.Tensor:
+    def features(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         """Source ids (B, S), shifted target ids (B, T) -> the stack's output at the
-        target positions (B, T, d_model), as `Transformer.features`."""
-        _check(self.config, src, tgt_in, check_ids)
+        target positions (B, T, d_model), as `Transformer.features` (no check)."""
         seq, n_src, slots = pack(src, tgt_in, self.config.pad_id)       # (B, L)
         mask = sequence_mask(seq, n_src, self.config.pad_id,
                              prefix=self.config.arch == "prefix-lm")   # (B, 1, L, L)
@@ -85,6 +83,7 @@ class DecoderOnly(nn.Module):
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         "-> logits (B, T, V) of the next target token, as `Transformer.forward`."
+        _check(self.config, src, tgt_in)
         return self.generator(self.features(src, tgt_in))
 
     def decoding_state(self, src: torch.Tensor, copies: int, cache: bool = True,
@@ -99,14 +98,13 @@ class DecoderOnly(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 # %% ../../book/19_1_gpt.ipynb #g012
-def _check(c: TransformerConfig, src: torch.Tensor, tgt_in: torch.Tensor,
-           check_ids: bool) -> None:
+def _check(c: TransformerConfig, src: torch.Tensor, tgt_in: torch.Tensor) -> None:
     for name, ids in (("src", src), ("tgt_in", tgt_in)):
         if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.size(1) == 0 \
                 or ids.dtype.is_floating_point or ids.dtype == torch.bool:
             raise ValueError(f"{name} must be integer token ids of shape (B, T>0), got "
                              f"{getattr(ids, 'shape', type(ids).__name__)}")
-        if check_ids and not torch.compiler.is_compiling() and (
+        if not torch.compiler.is_compiling() and (
                 int(ids.min()) < 0 or int(ids.max()) >= c.tgt_vocab):
             raise ValueError(f"{name} holds token ids outside the vocabulary "
                              f"[0, {c.tgt_vocab})")
@@ -128,7 +126,7 @@ class PrefixState:
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         "ys (N, t+1) -> logits (N, V) of token t+1."
-        return self.model.generator(self.model.features(self.src, ys, False)[:, -1])
+        return self.model.generator(self.model.features(self.src, ys)[:, -1])
 
     def reorder(self, rows) -> None:
         "Beam search's rows of one sentence share its source: nothing to move."
@@ -143,7 +141,7 @@ class CachedState:
     """Decoding with chapter 9's key/value cache: the source runs through the stack
     once (its keys and values stored per layer, padding slots masked), then each step
     runs only the newest token, at its own position `n_src + t`, through every layer
-    (chapter 6's `EncoderLayer` with a cache), attending over everything stored."""
+    (chapter 6's `EncoderLayer` over a cache, `cached_encoder_layer`), attending over everything stored."""
 
     def __init__(self, model: DecoderOnly, src: torch.Tensor, capacity: int):
         self.model, c = model, model.config
@@ -154,7 +152,7 @@ class CachedState:
                              prefix=c.arch == "prefix-lm")              # (N, 1, S, S)
         x = model.pos(model.embed(src))                                  # (N, S, d_model)
         for layer, cache in zip(model.stack.layers, self.caches, strict=True):
-            x = layer(x, mask, cache=cache)
+            x = cached_encoder_layer(layer, x, mask, cache)
 
     def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
         "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new."
@@ -163,7 +161,7 @@ class CachedState:
         self.keys_ok = torch.cat([self.keys_ok, self.keys_ok.new_ones(ys.size(0), 1)], 1)
         mask = self.keys_ok[:, None, None, :]                            # (N, 1, 1, L)
         for layer, cache in zip(m.stack.layers, self.caches, strict=True):
-            x = layer(x, mask, cache=cache)
+            x = cached_encoder_layer(layer, x, mask, cache)
         return m.generator(m.stack.norm(x)[:, -1])                      # (N, V)
 
     def reorder(self, rows) -> None:
