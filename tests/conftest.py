@@ -44,25 +44,20 @@ FIXTURE_MARKS = {
 }
 
 
-# `pytest` runs on every core (pyproject.toml: -n auto --dist loadgroup). A group runs on one xdist
-# worker, in order: each test file and each notebook is its own group (a notebook's cells share one
-# kernel; a file's module fixtures are built once), and the files that read one shared build run
-# together. FIRST: the longest groups start first, so that no long one is left for the end.
-SAME_GROUP = {"test_api_page": "test_book"}                       # both read the one book build
+# `pytest` runs on every core (pyproject.toml: -n auto --dist loadfile): each test file and each
+# notebook runs on one xdist worker, in order (a notebook's cells share one kernel; a file's module
+# fixtures are built once). FIRST: the longest start first, so that no long one is left for the
+# end; LAST: what reads a build another file makes once per run (`once_per_run`) goes last, when
+# that build is likely done, so that its worker does not wait for it.
 FIRST = ["test_book", "10_1_multi30k", "test_cli", "test_training", "e_2_loop", "09_decoding",
          "08_training", "test_sweep", "test_decoding"]
+LAST = ["test_api_page"]
 
 
-def _group(item) -> str:
-    return SAME_GROUP.get(item.path.stem, item.path.stem)
-
-
-@pytest.hookimpl(tryfirst=True)                                    # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(FIRST)}
-    items.sort(key=lambda item: rank.get(_group(item), len(FIRST)))   # stable: in-file order kept
+    rank = {name: i for i, name in enumerate(FIRST)} | {name: len(FIRST) + 2 + i for i, name in enumerate(LAST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(FIRST) + 1))   # stable: in-file order kept
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(_group(item)))
         marks = set()
         if item.path.suffix == ".ipynb":                                # nbval: a chapter's cells
             marks |= {"notebooks", "slow"}
