@@ -22,8 +22,8 @@ from transformer.cli.measure import (
     train_flops,
     train_step,
 )
-from transformer.decoding import greedy_search
 from transformer.engine.devices import cpu_has_bf16_units
+from transformer.engine.fast import greedy_search
 from transformer.masking import causal_mask
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, PAD

@@ -200,7 +200,7 @@ def test_layers_use_torch_dropout_until_sped_up(norm_first):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_encoder_layer_with_a_kv_cache_equals_the_causal_pass(norm_first):
     "cached_encoder_layer one token at a time (chapter 19.1's decoder-only model) = EncoderLayer with the causal mask."
-    from transformer.decoding import KVCache, cached_encoder_layer
+    from transformer.engine.fast import KVCache, cached_encoder_layer
     torch.manual_seed(0)
     layer = EncoderLayer(D, H, D_FF, dropout=0.0, norm_first=norm_first).double().eval()
     randomize_norms(layer)
@@ -215,7 +215,7 @@ def test_encoder_layer_with_a_kv_cache_equals_the_causal_pass(norm_first):
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_decoder_with_caches_equals_the_causal_pass(norm_first):
     "cached_decoder_layer through the stack, (self, cross) caches per layer, one token at a time = the causal pass."
-    from transformer.decoding import KVCache, cached_decoder_layer
+    from transformer.engine.fast import KVCache, cached_decoder_layer
     torch.manual_seed(0)
     dec = Decoder(D, H, D_FF, 2, dropout=0.0, norm_first=norm_first).double().eval()
     randomize_norms(dec)

@@ -1,11 +1,14 @@
-"""Chapter 9, decoding.py: greedy and beam search, length penalty, translate."""
+"""Chapter 9, decoding.py: the plain greedy search and the length penalty; appendix D.2, engine/fast.py: the
+searches with the KV cache, batched beam search, translate (each proved equal to the plain code)."""
 import random
 
 import pytest
 import torch
 
-from transformer.decoding import beam_search, greedy_search, length_penalty, translate
+from transformer.decoding import greedy_search as plain_greedy_search
+from transformer.decoding import length_penalty
 from transformer.engine.checkpoints import model_from_checkpoint
+from transformer.engine.fast import beam_search, greedy_search, translate
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
@@ -73,7 +76,8 @@ def test_cache_gives_the_outputs_and_logits_of_the_full_prefix(norm_first):
     src[2, 3:] = PAD
     assert greedy_search(model, src, 12) == greedy_search(model, src, 12, cache=False)
     assert beam_search(model, src, 3, extra_len=12) == beam_search(model, src, 3, extra_len=12, cache=False)
-    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.decoding import PrefixDecoder
+    from transformer.engine.fast import CachedDecoder
     from transformer.masking import padding_mask
     mask = padding_mask(src)
     memory = model.encode(src, mask)
@@ -84,6 +88,19 @@ def test_cache_gives_the_outputs_and_logits_of_the_full_prefix(norm_first):
             a, b = cached.next_logits(ys), plain.next_logits(ys)
             assert torch.allclose(a, b, atol=1e-5)
             ys = torch.cat([ys, torch.randint(4, 20, (6, 1))], 1)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_chapter_9s_plain_greedy_search_writes_what_the_engines_writes(norm_first):
+    "Chapter 9's greedy_search (PrefixDecoder, no cache) = appendix D.2's, with and without its cache."
+    torch.manual_seed(8)
+    model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
+                                          dropout=0.0, max_len=64, norm_first=norm_first)).double().eval()
+    src = torch.randint(4, 20, (6, 7))
+    src[1, 3:], src[4, 5:] = PAD, PAD
+    for extra in (0, 4, 20):
+        plain = plain_greedy_search(model, src, extra)
+        assert plain == greedy_search(model, src, extra) == greedy_search(model, src, extra, cache=False)
 
 
 def test_cached_greedy_matches_on_the_trained_copier(copier):
@@ -186,7 +203,7 @@ def test_bad_inputs(random_model, words, call, error, match):
 
 
 def test_kv_cache_is_allocated_once_and_follows_beam_reordering():
-    from transformer.decoding import KVCache
+    from transformer.engine.fast import KVCache
     cache = KVCache(capacity=3)
     k = [torch.full((2, 1, 1, 4), float(i)) for i in range(4)]
     out_k, _ = cache.append(k[0], -k[0])
@@ -204,7 +221,7 @@ def test_kv_cache_is_allocated_once_and_follows_beam_reordering():
 
 
 def test_kv_cache_fixed_holds_one_append_and_bad_uses_are_refused():
-    from transformer.decoding import KVCache
+    from transformer.engine.fast import KVCache
     memory_k = torch.randn(2, 4, 7, 8, dtype=torch.float64)
     cache = KVCache(fixed=True)
     assert cache.nbytes == 0 and cache.length == 0
@@ -227,7 +244,8 @@ def test_kv_cache_fixed_holds_one_append_and_bad_uses_are_refused():
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_cached_logits_equal_the_prefix_logits_step_by_step_in_float64(norm_first):
     "Step by step, with beam-style reordering of the rows: the cache changes no logit (float64)."
-    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.decoding import PrefixDecoder
+    from transformer.engine.fast import CachedDecoder
     from transformer.masking import padding_mask
     torch.manual_seed(6)
     model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
@@ -247,8 +265,7 @@ def test_cached_logits_equal_the_prefix_logits_step_by_step_in_float64(norm_firs
             # each row continues a row of its own sentence, as in beam search
             rows = (torch.arange(3)[:, None] * K + torch.randint(0, K, (3, K), generator=g)).view(-1)
             ys = torch.cat([ys[rows], torch.randint(4, 20, (3 * K, 1), generator=g)], 1)
-            cached.reorder(rows)
-            plain.reorder(rows)
+            cached.reorder(rows)                  # the plain decoder recomputes every row's prefix
 
 
 def test_beam_search_with_the_cache_equals_without_in_float64():
@@ -264,7 +281,7 @@ def test_beam_search_with_the_cache_equals_without_in_float64():
 
 def test_the_cached_step_goes_through_cached_attention_with_a_cache(monkeypatch):
     "Every cached step calls cached_attention (chapter 4's module over a KVCache) with one new query and a cache."
-    import transformer.decoding as decoding
+    import transformer.engine.fast as decoding
     calls = []
     original = decoding.cached_attention
 
@@ -277,7 +294,7 @@ def test_the_cached_step_goes_through_cached_attention_with_a_cache(monkeypatch)
     model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
                                           dropout=0.0, max_len=64)).eval()
     src = torch.randint(4, 20, (2, 5))
-    from transformer.decoding import CachedDecoder
+    from transformer.engine.fast import CachedDecoder
     from transformer.masking import padding_mask
     with torch.no_grad():
         memory = model.encode(src)
@@ -295,7 +312,7 @@ def test_the_cached_step_goes_through_cached_attention_with_a_cache(monkeypatch)
 
 def test_cross_attention_keys_and_values_are_computed_once(monkeypatch):
     "The memory's projections run at the first step only; later steps read the fixed cache."
-    from transformer.decoding import CachedDecoder
+    from transformer.engine.fast import CachedDecoder
     from transformer.masking import padding_mask
     torch.manual_seed(0)
     model = Transformer(TransformerConfig(src_vocab=20, tgt_vocab=20, d_model=32, d_ff=64, h=4, n_layers=2,
@@ -317,7 +334,9 @@ def test_cross_attention_keys_and_values_are_computed_once(monkeypatch):
 
 import math  # noqa: E402
 
-from transformer.decoding import _output_limits, _start, _until_eos  # noqa: E402
+from transformer.decoding import output_limits as _output_limits  # noqa: E402
+from transformer.decoding import until_eos as _until_eos  # noqa: E402
+from transformer.engine.fast import _start  # noqa: E402
 from transformer.tokens import BOS as _BOS  # noqa: E402
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 from sacrebleu.metrics import BLEU
 
-from transformer.evaluation import bleu, bleu_callback, bleu_lc_tok, chrf, evaluate, score
+from transformer.engine.fast import bleu_callback, evaluate
+from transformer.evaluation import bleu, bleu_lc_tok, chrf, score
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import Tokenizer
 
@@ -103,7 +104,7 @@ def _tiny_translation_setup():
 def _sharded_callback_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
 
-    import transformer.evaluation as ev
+    import transformer.engine.fast as ev  # bleu_callback and the score it calls
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
@@ -123,7 +124,7 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
 
     import torch.multiprocessing as mp
 
-    from transformer.decoding import translate
+    from transformer.engine.fast import translate
     tokenizer, model, pairs = _tiny_translation_setup()
     expected_hyps = translate(model, tokenizer, [s for s, _ in pairs])
     expected = bleu_callback(tokenizer, pairs)(model, 1)

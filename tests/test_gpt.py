@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from transformer.decoding import beam_search, greedy_search
 from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
+from transformer.engine.fast import beam_search, greedy_search
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.modern.gpt import DecoderOnly, build_model, pack, sequence_mask

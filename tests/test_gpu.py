@@ -95,7 +95,7 @@ def test_compiled_step_on_the_gpu_one_graph_for_many_shapes(tmp_path):
 
 
 def test_decoding_on_the_gpu_matches_the_cpu():
-    from transformer.decoding import beam_search, greedy_search
+    from transformer.engine.fast import beam_search, greedy_search
     torch.manual_seed(0)
     model = Transformer(config(dropout=0.0)).eval()
     src, _ = collate(copy_examples(8, seed=2), list(range(8)))

@@ -158,7 +158,7 @@ def test_bad_calls():
 def test_the_cache_is_chapter_9s():
     "One cache class in the book: chapter 15 imports chapter 9's KVCache, and the head split of chapter 4."
     import transformer.modern.gqa as gqa
-    from transformer.decoding import KVCache as chapter_9_cache
+    from transformer.engine.fast import KVCache as chapter_9_cache
     from transformer.heads import split_heads
     assert KVCache is chapter_9_cache and gqa.split_heads is split_heads
     assert not hasattr(gqa, "_heads")

@@ -349,7 +349,7 @@ def test_split_and_merge_heads_are_inverse(h):
 @pytest.mark.parametrize("d_k", [None, 3])
 def test_kv_cache_one_token_at_a_time_equals_the_causal_pass(d_k):
     "Self-attention fed one token at a time with a KVCache (`cached_attention`) gives the full causal pass's outputs."
-    from transformer.decoding import KVCache, cached_attention
+    from transformer.engine.fast import KVCache, cached_attention
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4, d_k=d_k).double().eval()
     s = x(2, 7)
@@ -366,7 +366,7 @@ def test_kv_cache_one_token_at_a_time_equals_the_causal_pass(d_k):
 
 def test_fixed_kv_cache_keeps_the_memory_of_the_first_call():
     "Cross-attention with `KVCache(fixed=True)`: the memory's keys and values are computed once, then only read."
-    from transformer.decoding import KVCache, cached_attention
+    from transformer.engine.fast import KVCache, cached_attention
     torch.manual_seed(0)
     m = MultiHeadAttention(16, 4).double().eval()
     y, memory = x(2, 5), x(2, 9, seed=2)

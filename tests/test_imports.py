@@ -26,11 +26,14 @@ LAYERS = [
     # the main line, in chapter order
     "tokens", "attention", "heads", "positions", "blocks", "masking", "model", "training", "decoding",
     "evaluation",
+    # the engine's fast paths (appendix D.2: the KV cache and the searches with it, below chapters 15 and 19.1,
+    # which decode with them)
+    "engine", "engine.fast",
     # after 2017 (chapters 14-19.1)
     "modern", "modern.rope", "modern.gqa", "modern.flash", "modern.rmsnorm_swiglu", "modern.moe",
     "modern.llama", "modern.gpt",
     # the engine (appendices D, E, F; E.2: the loop)
-    "engine", "engine.corpus", "engine.fast", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
+    "engine.corpus", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
     # figures (appendix B)
     "figures", "figures.viz", "figures.plots",
     # the command line (appendices C, D)
@@ -234,7 +237,11 @@ def test_the_declared_order_keeps_the_main_line_below_every_later_part():
     layers = LAYERS
     main_line = layers.index("evaluation")
     assert all(not m.startswith(("modern", "engine", "figures", "cli")) for m in layers[:main_line + 1])
-    assert layers.index("modern") < layers.index("engine") < layers.index("figures") < layers.index("cli")
+    # the engine's fast paths (appendix D.2) sit below `modern`, whose chapters 15 and 19.1 decode with their KV
+    # cache; the rest of the engine sits above it
+    assert (layers.index("engine") < layers.index("engine.fast") < layers.index("modern") < layers.index("engine.corpus")
+            < layers.index("figures") < layers.index("cli"))
+    assert [m for m in layers[:layers.index("modern")] if m.startswith("engine")] == ["engine", "engine.fast"]
 
 
 # --- no chapter imports the command line -----------------------------------------------------------------

@@ -22,7 +22,6 @@ PENDING = {                                   # (module, name): still there, to 
     ("training", "rank"), ("training", "world_size"),  # chapter 8's epoch batches pass the sharding on
     ("tokens", "check_ids"),                           # Tokenizer.decode's id check (appendix A), not the hook
     ("model", "arch"),                                 # TransformerConfig.arch, chapter 19.1's field
-    ("decoding", "cache"), ("decoding", "decoding_state"),  # greedy_search(cache=), _start's hook for 19.1
 }
 HEADER = re.compile(r"^# %% \.\./book/(\S+)\.ipynb", re.M)
 

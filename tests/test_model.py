@@ -412,7 +412,8 @@ def test_config_without_the_new_fields_loads_with_defaults():
 @pytest.mark.slow
 def test_variant_cached_decoding_equals_uncached(positions, d_k, norm_first):
     "The KV cache (values of width d_v, keys of width d_k, the position read from pe[t]) gives the full prefix's logits."
-    from transformer.decoding import CachedDecoder, PrefixDecoder, beam_search, greedy_search
+    from transformer.decoding import PrefixDecoder
+    from transformer.engine.fast import CachedDecoder, beam_search, greedy_search
     from transformer.masking import padding_mask
     m = variant(positions, d_k, norm_first, seed=5)
     g = torch.Generator().manual_seed(6)
@@ -433,7 +434,8 @@ def test_variant_cached_decoding_equals_uncached(positions, d_k, norm_first):
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned"])
 def test_cached_decoding_reads_the_position_table(positions, monkeypatch):
     "Zeroing the table the cached decoder reads breaks the equality: that test checks positions, not only shapes."
-    from transformer.decoding import CachedDecoder, PrefixDecoder
+    from transformer.decoding import PrefixDecoder
+    from transformer.engine.fast import CachedDecoder
     from transformer.masking import padding_mask
     m = variant(positions, seed=5)
     src = torch.randint(4, V, (2, 5), generator=torch.Generator().manual_seed(1))

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from transformer.__main__ import main
-from transformer.decoding import translate
 from transformer.engine.checkpoints import read_metrics
+from transformer.engine.fast import translate
 from transformer.engine.trained import load
 from transformer.figures import plots
 from transformer.heads import MultiHeadAttention

@@ -221,7 +221,7 @@ def test_export_web_writes_the_shipped_files(tmp_path, capsys):
 @pytest.mark.slow
 def test_float32_graphs_translate_test_sentences_as_pytorch_does(shipped, tmp_path, multi30k):
     from transformer.data import load_multi30k
-    from transformer.decoding import translate
+    from transformer.engine.fast import translate
     web.export_web(MODEL, tmp_path, precision="float32")
     sources = [s for s, _ in load_multi30k("de", "en", "test_2016_flickr")][::25]   # 40 sentences
     assert web.WebModel(tmp_path).translate(shipped.tokenizer, sources) == \

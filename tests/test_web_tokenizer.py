@@ -21,7 +21,8 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer.decoding import beam_search, greedy_search, length_penalty
+from transformer.decoding import length_penalty
+from transformer.engine.fast import beam_search, greedy_search
 from transformer.tokens import BOS, EOS, PAD, pad_batch
 
 pytestmark = pytest.mark.slow  # every test starts Node
@@ -376,7 +377,7 @@ def test_js_greedy_translations_equal_pythons(node, ort_node, multi30k, tmp_path
     change a few (measured with WebModel on all 1,000: 952 the same; 19 of these 20)."""
     from transformer import load
     from transformer.data import load_multi30k
-    from transformer.decoding import translate
+    from transformer.engine.fast import translate
     texts = [s for s, _ in load_multi30k("de", "en", "test_2016_flickr", progress=False)[:20]]
     got = run_node(node, "onnx", {"web": str(WEB), "texts": texts, "beamSize": 1}, tmp_path)["results"]
     trained = load(MODEL)

@@ -7,12 +7,8 @@ from collections.abc import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
-from .decoding import translate
-from .model import Transformer
-from .tokens import Tokenizer
-
 # %% auto #0
-__all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score', 'evaluate', 'bleu_callback']
+__all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score']
 
 # %% ../book/10_evaluation.ipynb #c008
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
@@ -43,23 +39,7 @@ def score(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     out["signatures"] = {name: str(m.get_signature()) for name, m in metrics.items()}
     return out
 
-# %% ../book/10_evaluation.ipynb #c013
-def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
-             beam_size: int = 1, alpha: float = 0.6, batch_size: int = 64) -> dict:
-    """Translate the sources of `(source, reference)` pairs and score them: bleu,
-    bleu_lc_tok, chrf, signatures."""
-    pairs = list(pairs)
-    if not pairs:
-        raise ValueError("no (source, reference) pairs to evaluate")
-    hyps = translate(model, tokenizer, [s for s, _ in pairs], beam_size=beam_size,
-                     alpha=alpha, batch_size=batch_size)
-    return score(hyps, [r for _, r in pairs])
-
-
 # %% ../book/d_2_fast.ipynb #ev001
-from collections.abc import Callable
-
-
 def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
     for name, xs in (("hyps", hyps), ("refs", refs)):
         if isinstance(xs, str):
@@ -73,28 +53,3 @@ def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[st
     if not hyps:
         raise ValueError("no sentences to score: hyps and refs are empty")
     return hyps, refs
-
-
-def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
-                  beam_size: int = 1, alpha: float = 0.6
-                  ) -> Callable[[Transformer, int], dict]:
-    """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
-    chrf on `pairs`. With several processes (DDP) each translates a share, and every
-    process scores them all (appendix F): none waits for another to translate."""
-    import torch.distributed as dist
-    pairs = list(pairs)
-
-    def on_eval(model: Transformer, step: int) -> dict:
-        shared = dist.is_available() and dist.is_initialized()
-        rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
-        mine = translate(model, tokenizer, [s for s, _ in pairs[rank::world]], beam_size, alpha)
-        shares = [mine] * world
-        if world > 1:
-            dist.all_gather_object(shares, mine)    # rank r: pairs[r::world]
-        hyps = [""] * len(pairs)
-        for r, share in enumerate(shares):
-            hyps[r::world] = share
-        s = score(hyps, [ref for _, ref in pairs])
-        return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
-
-    return on_eval

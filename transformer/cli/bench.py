@@ -26,7 +26,6 @@ from transformer.cli.measure import (
     train_step,
 )
 from .train import cap_kernel_cache, keep_freed_memory
-from ..decoding import greedy_search
 from ..engine.checkpoints import atomic_write
 from transformer.engine.devices import (
     cpu_has_bf16_units,
@@ -34,7 +33,7 @@ from transformer.engine.devices import (
     inductor_workarounds,
     peak_memory,
 )
-from ..engine.fast import FastSeq2SeqLoss, speed_up
+from ..engine.fast import FastSeq2SeqLoss, greedy_search, speed_up
 from ..model import PRESETS, Transformer, TransformerConfig
 from ..tokens import EOS, PAD
 

@@ -37,9 +37,9 @@ from ..data import sha256_file
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
 from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
 from ..engine.devices import init_distributed
+from ..engine.fast import bleu_callback
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
-from ..evaluation import bleu_callback
 from ..model import TransformerConfig
 from ..modern.gpt import build_model
 from ..tokens import Tokenizer

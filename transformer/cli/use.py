@@ -24,8 +24,8 @@ from tqdm import tqdm
 
 from . import web  # appendix I: export --web
 from .commands import CLIError, Terminated, load_pairs, pick_device
-from ..decoding import translate
 from ..engine.devices import fast_matmul
+from ..engine.fast import translate
 from ..engine.trained import WEIGHTS, load, translate_chunks
 from ..model import Transformer
 from ..tokens import Tokenizer

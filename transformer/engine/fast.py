@@ -2,16 +2,33 @@
 
 # %% auto #0
 __all__ = ['dropout_mask', 'Dropout', 'float32_attention', 'Float32Attention', 'speed_up', 'fused_smoothed_cross_entropy',
-           'FastSeq2SeqLoss']
+           'FastSeq2SeqLoss', 'KVCache', 'cached_attention', 'cached_encoder_layer', 'cached_decoder_layer',
+           'CachedDecoder', 'greedy_search', 'beam_search', 'translate', 'evaluate', 'bleu_callback']
 
 # %% ../../book/d_2_fast.ipynb #f000
+import math
+import warnings
+from collections.abc import Callable, Sequence
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention import scaled_dot_product_attention
+from ..blocks import DecoderLayer, EncoderLayer, residual
+from transformer.decoding import (
+    PrefixDecoder,
+    greedy_decode,
+    length_penalty,
+    output_limits,
+    until_eos,
+)
+from ..evaluation import score
 from ..heads import MultiHeadAttention, merge_heads, split_heads
-from ..masking import teacher_forcing
+from ..masking import padding_mask, teacher_forcing
+from ..model import Transformer
+from ..tokens import BOS, EOS, Tokenizer, pad_batch
 from ..training import Seq2SeqLoss, label_smoothed_nll
 
 # %% ../../book/d_2_fast.ipynb #c015b
@@ -151,3 +168,307 @@ class FastSeq2SeqLoss(Seq2SeqLoss):
         keep = tgt_out != self.model.config.pad_id                      # real targets
         logits = self.model.generator(hidden[keep])                     # (n, V)
         return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
+
+# %% ../../book/d_2_fast.ipynb #kv000a
+class KVCache:
+    """One attention layer's keys and values so far: two tensors (B, heads, capacity, d),
+    allocated at the first `append` and filled in place; `length` positions are stored.
+    `fixed=True`: the keys and values of one `append` (the memory's, for cross-attention),
+    stored once and then only read."""
+
+    def __init__(self, capacity: int | None = None, fixed: bool = False):
+        if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
+                          or capacity < 1):
+            raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
+                             "sequence to decode)")
+        self.capacity, self.fixed, self.length = capacity, fixed, 0
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def append(self, k: torch.Tensor, v: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        "Store keys and values (B, heads, n, d); return all so far (views, (B, heads, length, d))."
+        if self.k is None:
+            B, heads, n, d = k.shape
+            if self.fixed:
+                self.capacity = n
+            self.k = k.new_empty(B, heads, self.capacity, d)
+            self.v = v.new_empty(B, heads, self.capacity, v.size(-1))   # d_v
+        if k.shape[:2] != self.k.shape[:2] or k.size(-1) != self.k.size(-1):
+            raise ValueError(f"keys of shape {tuple(k.shape)} do not fit this cache of "
+                             f"(B, heads, capacity, d) = {tuple(self.k.shape)}")
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"the cache holds {self.capacity} positions; appending "
+                             f"{k.size(2)} to {self.length} needs capacity >= {end}")
+        self.k[:, :, self.length:end] = k
+        self.v[:, :, self.length:end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reorder(self, index: torch.Tensor) -> None:
+        "Row i now continues row index[i] (beam search)."
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+    @property
+    def nbytes(self) -> int:
+        "Bytes allocated for keys and values (0 before the first append)."
+        return 0 if self.k is None else (self.k.numel() * self.k.element_size()
+                                         + self.v.numel() * self.v.element_size())
+
+
+def cached_attention(attn: MultiHeadAttention, query: torch.Tensor, kv: torch.Tensor,
+                     cache: KVCache, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Chapter 4's `attn` for new queries over every key and value so far: `kv`'s keys and
+    values are appended to `cache` (a `fixed` cache: the first call's, then only read)."""
+    q = split_heads(attn.w_q(query), attn.h)                          # (B, h, T_q, d_k)
+    if not (cache.fixed and cache.length):
+        cache.append(split_heads(attn.w_k(kv), attn.h), split_heads(attn.w_v(kv), attn.h))
+    k, v = cache.k[:, :, :cache.length], cache.v[:, :, :cache.length]  # all so far
+    out, _ = scaled_dot_product_attention(q, k, v, mask, attn.dropout if attn.training else 0.0)
+    return attn.w_o(merge_heads(out))                                 # (B, T_q, d_model)
+
+
+def cached_encoder_layer(layer: EncoderLayer, x: torch.Tensor, mask: torch.Tensor | None,
+                         cache: KVCache) -> torch.Tensor:
+    "Chapter 6's `EncoderLayer.forward` for new positions `x`, self-attending over `cache`."
+    x = residual(x, lambda z: cached_attention(layer.self_attn, z, z, cache, mask),
+                 layer.norm1, layer.dropout1, layer.norm_first)
+    return residual(x, layer.feed_forward, layer.norm2, layer.dropout2, layer.norm_first)
+
+
+def cached_decoder_layer(layer: DecoderLayer, y: torch.Tensor, memory: torch.Tensor,
+                         memory_mask: torch.Tensor | None, caches: tuple[KVCache, KVCache]
+                         ) -> torch.Tensor:
+    """Chapter 6's `DecoderLayer.forward` for new target positions `y` (each sees every
+    earlier one: no mask); `caches`: the (self, cross) pair."""
+    y = residual(y, lambda z: cached_attention(layer.self_attn, z, z, caches[0]),
+                 layer.norm1, layer.dropout1, layer.norm_first)
+    y = residual(y, lambda z: cached_attention(layer.cross_attn, z, memory, caches[1],
+                                               memory_mask),
+                 layer.norm2, layer.dropout2, layer.norm_first)
+    return residual(y, layer.feed_forward, layer.norm3, layer.dropout3, layer.norm_first)
+
+
+class CachedDecoder:
+    """Next-token logits from the newest token only: `Transformer.decode` through
+    `cached_decoder_layer`, with a pair of `KVCache` per decoder layer, self-attention's (one
+    position per step) and cross-attention's (the memory's keys and values, computed once)."""
+
+    def __init__(self, model: Transformer, memory: torch.Tensor,
+                 src_mask: torch.Tensor, capacity: int | None = None):
+        self.model, self.memory, self.src_mask = model, memory, src_mask
+        self.caches = [(KVCache(capacity or model.config.max_len), KVCache(fixed=True))
+                       for _ in model.decoder.layers]
+
+    def next_logits(self, ys: torch.Tensor) -> torch.Tensor:
+        "ys (N, t+1) -> logits (N, V) of token t+1; only ys[:, -1] is new since the last call."
+        m = self.model
+        y = m.pos(m.tgt_embed(ys[:, -1:]), self.caches[0][0].length)  # (N, 1, d_model)
+        for layer, pair in zip(m.decoder.layers, self.caches):
+            y = cached_decoder_layer(layer, y, self.memory, self.src_mask, pair)
+        return m.generator(m.decoder.norm(y)[:, -1])                  # (N, V)
+
+    def reorder(self, rows: torch.Tensor | list[int]) -> None:
+        "Beam search re-ordered the rows: every cache follows."
+        index = torch.as_tensor(rows, device=self.memory.device)
+        for pair in self.caches:
+            for cache in pair:
+                cache.reorder(index)
+
+# %% ../../book/d_2_fast.ipynb #bs001
+def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
+           capacity: int | None = None):
+    """Encode once; return the decoder state for `copies` rows per sentence: `CachedDecoder`,
+    or with `cache=False` chapter 9's `PrefixDecoder`. A model that decodes its own way
+    (chapter 19.1's `DecoderOnly`) answers `decoding_state`."""
+    if hasattr(model, "decoding_state"):
+        return model.decoding_state(src, copies, cache, capacity)
+    src_mask = padding_mask(src, model.config.pad_id)     # (B, 1, 1, S)
+    memory = model.encode(src, src_mask)                  # (B, S, d_model)
+    if copies > 1:
+        memory, src_mask = (memory.repeat_interleave(copies, 0),
+                            src_mask.repeat_interleave(copies, 0))
+    if cache:
+        return CachedDecoder(model, memory, src_mask, capacity)
+    return PrefixDecoder(model, memory, src_mask)
+
+
+def _limits(model: Transformer, src: torch.Tensor, extra_len: int) -> list[int]:
+    "Chapter 9's `output_limits`, after the searches' input checks."
+    _check_source(src, extra_len)
+    return output_limits(model, src, extra_len)
+
+
+@torch.no_grad()
+def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
+                  cache: bool = True) -> list[list[int]]:
+    """Chapter 9's `greedy_search`, checked, with the KV cache (`cache=False`: chapter 9's
+    `PrefixDecoder`): source ids (B, S) -> B lists of output ids (no BOS, no EOS)."""
+    limits = _limits(model, src, extra_len)
+    state = _start(model, src, 1, cache, max(limits))
+    return greedy_decode(state, torch.tensor(limits, device=src.device), model.config.pad_id)
+
+
+@torch.no_grad()
+def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
+                alpha: float = 0.6, extra_len: int = 50,
+                cache: bool = True) -> list[list[int]]:
+    ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
+     "B lists of output ids.")
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
+    if not alpha >= 0:
+        raise ValueError(f"alpha={alpha!r} must be >= 0")
+    limits = _limits(model, src, extra_len)
+    K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
+    # encoder once, K rows per sentence
+    state = _start(model, src, K, cache, max(limits))
+    limit = torch.tensor(limits, device=device)                          # (B,)
+    ys = torch.full((B * K, 1), BOS, dtype=torch.long, device=device)    # (B*K, 1)
+    # (B, K) log P of each hypothesis; one live hypothesis at the start
+    scores = torch.full((B, K), -math.inf, device=device)
+    scores[:, 0] = 0.0
+    # the best finished hypothesis of each sentence: normalised score and tokens
+    best = torch.full((B,), -math.inf, dtype=torch.float64, device=device)
+    best_ys = torch.full((B, max(limits)), pad, dtype=torch.long, device=device)
+    ended = torch.zeros(B, dtype=torch.long, device=device)   # hypotheses finished
+    done = torch.zeros(B, dtype=torch.bool, device=device)
+    first_row = torch.arange(B, device=device)[:, None] * K              # (B, 1)
+    for t in range(max(limits)):
+        logp = state.next_logits(ys).float().log_softmax(-1)             # (B*K, V)
+        V = logp.size(-1)
+        cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
+        top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
+        beam, token = flat // V, flat % V
+        keep, finish = _beam_step(top, token, done, t + 1 >= limit, K)
+        # the best hypothesis that finished now; a tie keeps the earlier one
+        now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
+               ).masked_fill(~finish, -math.inf)                         # (B, 4K)
+        now_best, at = now.max(-1)
+        better = now_best > best
+        prefix = ys[(first_row + beam).gather(1, at[:, None] % top.size(1)).squeeze(1)]
+        last = torch.where(at >= top.size(1), token.gather(
+            1, at[:, None] % top.size(1)).squeeze(1), pad)  # an EOS is not kept
+        best_ys[:, :t + 1] = torch.where(
+            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
+            best_ys[:, :t + 1])
+        best = torch.where(better, now_best, best)
+        ended += finish.sum(-1)
+        done |= (ended >= K) | ~keep.any(-1)
+        if bool(done.all()):
+            break
+        # the kept extensions fill each sentence's K rows in order; the rest idle
+        slot = torch.where(keep, keep.long().cumsum(-1) - 1, K)          # (B, 2K)
+        new = [torch.full((B, K + 1), fill, dtype=x.dtype, device=device
+                          ).scatter_(1, slot, x)[:, :K].contiguous()
+               for x, fill in ((beam, 0), (token, pad), (top, -math.inf))]
+        rows = (first_row + new[0]).view(-1)                             # (B*K,)
+        ys = torch.cat([ys[rows], new[1].view(-1, 1)], dim=1)            # (B*K, t+2)
+        if cache:
+            state.reorder(rows)   # the cache follows the rows
+        scores = new[2]
+    return [until_eos(row) if score > -math.inf else []
+            for row, score in zip(best_ys.tolist(), best.tolist())]
+
+
+def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
+               full: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the 2K best extensions (B, 2K) of each sentence go on (`keep`: the K
+    best that are not EOS, none once the output is `full`) and which finish (B, 4K):
+    an EOS among the top K, then, when the output is full, the kept ones."""
+    live = torch.isfinite(top) & ~done[:, None]
+    eos = live & (token == EOS)
+    keep = live & ~eos
+    keep &= keep.long().cumsum(-1) <= K
+    first_k = torch.arange(top.size(1), device=top.device) < K
+    at_limit = keep & full[:, None]
+    return keep & ~full[:, None], torch.cat([eos & first_k, at_limit], 1)
+
+
+def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
+              beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
+              batch_size: int = 64) -> list[str]:
+    "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4."
+    ids = _source_ids(model, tokenizer, texts, batch_size)   # checked, within max_len
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    out: list[str] = [""] * len(ids)
+    was_training = model.training
+    model.eval()
+    try:
+        for start in range(0, len(order), batch_size):
+            chunk = order[start:start + batch_size]
+            src, _ = pad_batch([ids[i] for i in chunk], pad_id=model.config.pad_id)   # (b, S)
+            src = src.to(next(model.parameters()).device)
+            hyps = (greedy_search(model, src, extra_len) if beam_size == 1
+                    else beam_search(model, src, beam_size, alpha, extra_len))
+            for i, h in zip(chunk, hyps):
+                out[i] = tokenizer.decode(h)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
+             beam_size: int = 1, alpha: float = 0.6, batch_size: int = 64) -> dict:
+    """Translate the sources of `(source, reference)` pairs and score them (chapter 10's
+    `score`): bleu, bleu_lc_tok, chrf, signatures."""
+    pairs = list(pairs)
+    if not pairs:
+        raise ValueError("no (source, reference) pairs to evaluate")
+    hyps = translate(model, tokenizer, [s for s, _ in pairs], beam_size=beam_size,
+                     alpha=alpha, batch_size=batch_size)
+    return score(hyps, [r for _, r in pairs])
+
+
+def _source_ids(model: Transformer, tokenizer: Tokenizer, texts: list[str],
+                batch_size: int) -> list[list[int]]:
+    "`translate`'s input checks: source ids `x EOS` of `texts`, cut to the model's max_len."
+    if isinstance(texts, str):
+        raise TypeError("texts must be a list of sentences; wrap one in a list: [text]")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
+    if tokenizer.vocab_size != model.config.src_vocab:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model expects "
+                         f"src_vocab={model.config.src_vocab}; use the one it was trained with")
+    ids, limit = tokenizer.encode_batch(list(texts), eos=True), model.config.max_len
+    if any(len(x) > limit for x in ids):
+        warnings.warn(f"{sum(len(x) > limit for x in ids)} source(s) longer than "
+                      f"max_len={limit} tokens were cut to that length", stacklevel=3)
+        ids = [x if len(x) <= limit else x[:limit - 1] + [EOS] for x in ids]
+    return ids
+
+
+def _check_source(src: torch.Tensor, extra_len: int) -> None:
+    "The searches' input checks: a non-empty (B, S) tensor of ids, an int extra_len >= 0."
+    if not isinstance(src, torch.Tensor) or src.dim() != 2 or 0 in src.shape:
+        got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+        raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {got}")
+    if isinstance(extra_len, bool) or not isinstance(extra_len, int) or extra_len < 0:
+        raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
+
+# %% ../../book/d_2_fast.ipynb #ev002
+def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
+                  beam_size: int = 1, alpha: float = 0.6
+                  ) -> Callable[[Transformer, int], dict]:
+    """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
+    chrf on `pairs`. With several processes (DDP) each translates a share, and every
+    process scores them all (appendix F): none waits for another to translate."""
+    pairs = list(pairs)
+
+    def on_eval(model: Transformer, step: int) -> dict:
+        shared = dist.is_available() and dist.is_initialized()
+        rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
+        mine = translate(model, tokenizer, [s for s, _ in pairs[rank::world]], beam_size, alpha)
+        shares = [mine] * world
+        if world > 1:
+            dist.all_gather_object(shares, mine)    # rank r: pairs[r::world]
+        hyps = [""] * len(pairs)
+        for r, share in enumerate(shares):
+            hyps[r::world] = share
+        s = score(hyps, [ref for _, ref in pairs])
+        return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
+
+    return on_eval

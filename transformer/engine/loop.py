@@ -43,8 +43,7 @@ from transformer.engine.devices import (  # appendix F
     prefetch,
     world,
 )
-from .fast import FastSeq2SeqLoss, speed_up  # appendix D.2
-from ..evaluation import evaluate
+from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
 from ..model import Transformer, TransformerConfig
 from ..tokens import UNK, Tokenizer, token_batches
 from transformer.training import (

@@ -18,7 +18,6 @@ from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
 from ..data import UserError, sha256_file
-from ..decoding import translate
 from transformer.engine.checkpoints import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -26,6 +25,7 @@ from transformer.engine.checkpoints import (
     load_checkpoint,
     model_from_checkpoint,
 )
+from .fast import translate
 from ..model import Transformer
 from ..tokens import Tokenizer
 

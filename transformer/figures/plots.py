@@ -23,8 +23,8 @@ except ImportError as e:                       # the package's figures are an ex
     raise ImportError(f"transformer.figures.plots needs matplotlib ({e}): pip install "
                       "'transformer-book[figures]'") from None
 
-from ..decoding import beam_search, greedy_search
 from ..engine.checkpoints import TrainingError, read_metrics
+from ..engine.fast import beam_search, greedy_search
 from ..model import Transformer
 from ..positions import sinusoidal_encoding
 from ..tokens import BOS, EOS, Tokenizer

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..blocks import Encoder
-from ..decoding import KVCache, cached_encoder_layer
+from ..engine.fast import KVCache, cached_encoder_layer
 from ..model import POSITIONS, Transformer, TransformerConfig
 from ..tokens import Embeddings
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from ..attention import scaled_dot_product_attention
-from ..decoding import KVCache
+from ..engine.fast import KVCache
 from ..heads import split_heads
 from .rope import apply_rope, rope_cos_sin
 
