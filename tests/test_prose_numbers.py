@@ -1,11 +1,17 @@
-"""Every number in the prose comes from the code (issue 30).
+"""Every number in the prose comes from the code (issues 30 and 43).
 
-A number a notebook computes reaches its text through myst-nb's glue: the code cell calls
-`glue("name", value, display=False)` and the markdown writes `` {glue:text}`name:.2f` ``. The glued
-value is stored as one more output of the cell, a `display_data` whose only MIME type is
-`application/papermill.record/text/plain` (the `repr` of the value), and the book renders the text
-from that stored output. So the text cannot disagree with the outputs it stands beside, and:
+A number a notebook computes reaches its text through a glue record: the code cell calls myst-nb's
+`glue("name", value, display=False)`, which stores the value as one more output of the cell, a
+`display_data` whose only MIME type is `application/papermill.record/text/plain` (the `repr` of the
+value). The markdown holds the number as plain text, in a span that names the record and the
+format: `<span data-glue="name:.2f">0.13</span>` (another notebook's record:
+`other.ipynb::name:.2f`). Every viewer shows the number (the span is invisible), and
+`python tests/plain_markup.py --write` rewrites it from the stored record after a notebook has been
+re-executed. So:
 
+- **The text equals the stored record.** The fast checks below fail when a number in a span
+  differs from its stored value formatted, when a span names a value no cell glues, or when a
+  myst-nb `{glue}` role (which only the built site renders) is left; planted drifts show each.
 - **nbval compares the glue records.** nbval skips only a few keys (`metadata`, `traceback`, ...)
   and compares every MIME type of every output, `application/papermill.record/text/plain`
   included, after `book/sanitize.cfg` (floats cut to five decimals). A stored glue value that a
@@ -14,14 +20,12 @@ from that stored output. So the text cannot disagree with the outputs it stands 
   watch the suite's own nbval command fail on it (and pass on the untouched copy).
 - **Except in a cell tagged `nbval-ignore-output`.** There nbval compares nothing, glue records
   included (a test below shows that too): the text still agrees with the stored run (both are
-  read from it), and the claim the text makes from it must be asserted in the cell (CONTRIBUTING,
-  "Notebook rules").
+  checked against it), and the claim the text makes from it must be asserted in the cell
+  (CONTRIBUTING, "Notebook rules").
 
-The fast checks read the stored notebooks only: every `{glue...}` reference in book/*.ipynb names a
-value glued in that notebook (or in the notebook its `path::name` names) and its format applies
-to the stored value; no name is glued twice; and the chapters whose prose has been moved to glue
-(`GLUED`) hold no decimal or thousands-grouped number typed by hand outside math, code and the
-cited facts listed for them (inline math included).
+The chapters whose prose has been moved to glue (`GLUED`) also hold no decimal or
+thousands-grouped number typed by hand outside glue spans, math, code and the cited facts listed
+for them (inline math included).
 """
 import copy
 import json
@@ -31,16 +35,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from myst_nb.core.variables import format_plain_text
+from plain_markup import ROLE, SPAN, Records, glued, number_problems, source, text_of
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
 NOTEBOOKS = sorted(BOOK.glob("*.ipynb"))
 GLUE = "application/papermill.record/"
-# {glue}`name`, {glue:text}`name:.2f`, {glue:md}`path::name` ...
-ROLE = re.compile(r"\{glue(?::(\w+))?\}`([^`]+)`")
-# ```{glue:figure} name, :::{glue:math} name, ```{glue} name
-DIRECTIVE = re.compile(r"^\s*(?:`{3,}|:{3,})\{glue(?::(\w+))?\}\s+(\S+)", re.M)
 
 # Chapters whose prose takes every computed number from glue (or from an assert beside it).
 # A number still typed in their text must be a cited fact, listed here with its source.
@@ -83,73 +83,68 @@ def read(path: Path) -> dict:
     return json.loads(path.read_text(encoding="utf-8"))
 
 
-def glued(nb: dict) -> dict[str, list[tuple[str, dict]]]:
-    "name -> [(cell id, stored MIME bundle without the glue prefix)], in the order glued."
-    out: dict[str, list] = {}
-    for cell in nb["cells"]:
-        for output in cell.get("outputs", []):
-            meta = output.get("metadata", {}).get("scrapbook")
-            if output.get("output_type") == "display_data" and meta:
-                prefix = meta.get("mime_prefix", "")
-                data = {k[len(prefix):]: v for k, v in output["data"].items()
-                        if k.startswith(prefix)}
-                out.setdefault(meta["name"], []).append((cell.get("id"), data))
-    return out
-
-
-def references(nb: dict) -> list[tuple[str, str, str, str, str]]:
-    "(cell id, kind, notebook stem or '', name, format spec) of every glue reference."
-    refs = []
-    for cell in nb["cells"]:
-        if cell["cell_type"] != "markdown":
-            continue
-        text = "".join(cell["source"])
-        found = [(kind, body) for kind, body in ROLE.findall(text)]
-        found += [(kind or "any", body) for kind, body in DIRECTIVE.findall(text)]
-        for kind, body in found:
-            doc, _, key = body.rpartition("::")
-            name, _, spec = key.partition(":")
-            refs.append((cell.get("id"), kind or "any", Path(doc).stem, name, spec))
-    return refs
-
-
-def text_of(data: dict) -> str:
-    value = data.get("text/plain", "")
-    return "".join(value) if isinstance(value, list) else value
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_glue_references_resolve(path):
-    """Every {glue} reference names a value glued once, and a text reference's format applies
-    to the stored value (what the book build would print)."""
+def test_prose_numbers_equal_their_glue_records(path):
+    """Every number in a glue span equals its stored value formatted, every span names a value
+    glued once (in this notebook or the one its `path::` names), and no myst-nb glue role is
+    left. A failure lists each; `python tests/plain_markup.py --write` rewrites the numbers."""
     nb = read(path)
-    values = glued(nb)
-    twice = sorted(name for name, where in values.items() if len(where) > 1)
+    twice = sorted(name for name, where in glued(nb).items() if len(where) > 1)
     assert not twice, f"{path.name}: glued more than once: {twice}"
-    problems = []
-    for cell_id, kind, doc, name, spec in references(nb):
-        source = values if not doc else glued(read(BOOK / f"{doc}.ipynb"))
-        if name not in source:
-            problems.append(f"cell {cell_id}: {{glue:{kind}}} names {name!r}, which "
-                            f"{doc or path.stem} never glues")
-            continue
-        data = source[name][0][1]
-        if kind in ("text", "any", "") and spec:
-            if "text/plain" not in data:
-                problems.append(f"cell {cell_id}: {name!r} has no text/plain to format")
-                continue
-            try:
-                format_plain_text(text_of(data), spec)
-            except (ValueError, TypeError) as e:
-                problems.append(f"cell {cell_id}: {name}:{spec} does not apply to the "
-                                f"stored {text_of(data)!r}: {e}")
-    assert not problems, f"{path.name}:\n" + "\n".join(problems)
+    problems = number_problems(nb, path.stem)
+    assert not problems, (f"{path.name} (python tests/plain_markup.py --write):\n"
+                          + "\n".join(problems))
+
+
+def spans(nb: dict) -> list[tuple[dict, re.Match]]:
+    return [(cell, m) for cell in nb["cells"] if cell["cell_type"] == "markdown"
+            for m in SPAN.finditer(source(cell))]
+
+
+def test_a_planted_drift_fails():
+    """Chapter 11 in memory: it checks clean; with a stored value changed (a re-executed
+    notebook whose prose was not rewritten), with a number in the text changed (a hand edit),
+    with a span naming no value or a role left, it does not, and each is named."""
+    nb = read(BOOK / "11_traced.ipynb")
+    assert number_problems(nb, "11_traced") == []
+    cell, m = next((c, m) for c, m in spans(nb) if m.group(1) == "emb_min:.2f")
+    # the stored record drifts: 1.25 becomes 1.5
+    drifted = copy.deepcopy(nb)
+    for c in drifted["cells"]:
+        for output in c.get("outputs", []):
+            if output.get("metadata", {}).get("scrapbook", {}).get("name") == "emb_min":
+                key = output["metadata"]["scrapbook"]["mime_prefix"] + "text/plain"
+                output["data"][key] = "1.5"
+    assert any("'emb_min:.2f' reads '1.25', its stored value formats as '1.50'" in p
+               for p in number_problems(drifted, "11_traced")), number_problems(drifted, "11_traced")
+    # the text drifts, an unknown name, a role left
+    for old, new, expect in [
+            (m.group(0), '<span data-glue="emb_min:.2f">1.26</span>', "reads '1.26'"),
+            (m.group(0), '<span data-glue="emb_minimum:.2f">1.25</span>', "no value named 'emb_minimum'"),
+            (m.group(0), "{glue:text}`emb_min:.2f`", "glue role"),
+            (m.group(0), '<span data-glue="emb_min:.2q">1.25</span>', "'.2q' does not apply")]:
+        planted = copy.deepcopy(nb)
+        c = next(c for c in planted["cells"] if c.get("id") == cell.get("id"))
+        c["source"] = source(c).replace(old, new)
+        found = number_problems(planted, "11_traced")
+        assert any(expect in p for p in found), (new, found)
+
+
+def test_a_span_reads_another_notebooks_record():
+    "`other.ipynb::name` reads the record stored in that notebook, as myst-nb's glue did."
+    vocab = Records().value("vocab:,", "11_traced")
+    nb = read(BOOK / "00_why_attention.ipynb")
+    cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+    cell["source"] = source(cell) + f'\n\n<span data-glue="11_traced.ipynb::vocab:,">{vocab}</span>'
+    assert number_problems(nb, "00_why_attention") == []
+    cell["source"] = source(cell).replace(f">{vocab}<", ">1<")
+    assert any("reads '1'" in p for p in number_problems(nb, "00_why_attention"))
 
 
 def prose(text: str) -> str:
-    """Markdown without display math, code, glue references, links' targets and HTML comments
+    """Markdown without display math, code, glue spans and roles, links' targets and HTML comments
     (inline math stays: `$-1.73$` is a number typed by hand too)."""
-    for pattern in (r"```.*?```", r"\$\$.*?\$\$", ROLE.pattern,
+    for pattern in (r"```.*?```", r"\$\$.*?\$\$", SPAN.pattern, ROLE.pattern,
                     r"`[^`\n]+`", r"\]\([^)]*\)", r"<!--.*?-->", r"https?://\S+"):
         text = re.sub(pattern, " ", text, flags=re.S)
     return text
@@ -184,14 +179,9 @@ def test_hand_typed_number_is_caught():
     "The check above catches the drift issue 30 found: a ratio typed from an earlier run."
     nb = read(BOOK / "00_why_attention.ipynb")
     assert hand_typed(nb, GLUED["00_why_attention"]) == []
-    cell = next(c for c in nb["cells"] if c["cell_type"] == "markdown"
-                and "{glue:text}`gru_growth:.1f`" in "".join(c["source"]))
-    cell["source"] = "".join(cell["source"]).replace("{glue:text}`gru_growth:.1f`", "8.9")
+    cell, m = next((c, m) for c, m in spans(nb) if m.group(1) == "gru_growth:.1f")
+    cell["source"] = source(cell).replace(m.group(0), "8.9")
     assert any("'8.9'" in f for f in hand_typed(nb, GLUED["00_why_attention"]))
-    # a glue reference to a name no cell glues is caught as well
-    cell["source"] += "\n{glue:text}`no_such_value:.1f`"
-    assert ("no_such_value", "") in {(name, doc) for _, _, doc, name, _ in references(nb)}
-    assert "no_such_value" not in glued(nb)
 
 
 # --- nbval on planted drifts: the suite's own notebook check, run on a copy ---
@@ -226,7 +216,7 @@ def small_notebook(tags: list[str]) -> dict:
                                   "print(f'ratio {ratio:.2f}')\n"
                                   "glue('ratio', ratio, display=False)",
                                   metadata={"tags": tags} if tags else {}),
-        nbformat.v4.new_markdown_cell("The ratio is {glue:text}`ratio:.2f`."),
+        nbformat.v4.new_markdown_cell('The ratio is <span data-glue="ratio:.2f">1.41</span>.'),
     ]
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     return json.loads(nbformat.writes(nb))

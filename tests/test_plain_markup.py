@@ -1,0 +1,94 @@
+"""The notebooks read right in a plain viewer (issue 43). JupyterLab without extensions, Colab,
+VS Code and GitHub render a markdown cell as CommonMark (with a few extensions of their own: math,
+tables) and know nothing of MyST: a role (`` {name}`...` ``) or a directive fence (```` ```{name} ````,
+`:::{name}`) shows as raw text there. This test renders every markdown cell of every notebook
+twice, as such viewers do: with markdown-it-py's CommonMark preset (VS Code's and JupyterLab 4's
+parser family) and with nbconvert's markdown filter (mistune, what `jupyter nbconvert --to html`
+writes), and finds none left in what a reader sees; the built site shows the same markup
+(tests/test_book.py builds it with -W).
+
+It also checks that `tests/plain_markup.py --write` has nothing left to do: every number written
+from its glue record, every fold a `<details>`, every solution cell collapsed (and that a second
+run would change nothing)."""
+import copy
+import json
+import re
+from pathlib import Path
+
+import pytest
+from markdown_it import MarkdownIt
+from nbconvert.filters.markdown_mistune import markdown2html_mistune
+from plain_markup import check, fix, source
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+NOTEBOOKS = sorted(BOOK.glob("*.ipynb"))
+COMMONMARK = MarkdownIt("commonmark")
+# what a reader sees of MyST in the HTML a CommonMark renderer writes
+LEFT = {
+    "role": re.compile(r"\{[\w:.-]+\}<code>"),                          # {name}`text`
+    "directive fence": re.compile(r'<code class="language-\{'),       # ```{name}
+    "colon fence": re.compile(r"(?m)^(?:<p>)?:{3,}\s*\{"),             # :::{name}
+    "target": re.compile(r"(?m)^<p>\([\w-]+\)=</p>$"),                 # (label)=
+}
+
+
+def markdown_cells(path: Path) -> list[tuple[str, str]]:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    return [(c.get("id"), source(c)) for c in nb["cells"] if c["cell_type"] == "markdown"]
+
+
+def raw_myst(text: str) -> list[str]:
+    "The MyST a plain CommonMark viewer would show as text, with what it looks like."
+    found = []
+    for renderer, render in (("CommonMark", COMMONMARK.render), ("nbconvert", markdown2html_mistune)):
+        rendered = render(text)
+        found += [f"{kind} ({renderer}): {m.group(0)!r} in "
+                  f"{rendered[max(0, m.start() - 40):m.end() + 40]!r}"
+                  for kind, pattern in LEFT.items() for m in pattern.finditer(rendered)]
+    return found
+
+
+def unparsed_folds(text: str) -> list[str]:
+    """A `<details>` block whose markdown a viewer would not parse: an HTML block runs to the next
+    blank line, so the opening line and `</details>` must each stand alone between blank lines."""
+    bad = []
+    for token in COMMONMARK.parse(text):
+        if token.type == "html_block" and ("<details" in token.content or "</details>" in token.content):
+            lines = token.content.strip().splitlines()
+            if not (len(lines) == 1 and re.fullmatch(r"<details>(<summary>.*</summary>)?|</details>",
+                                                     lines[0])):
+                bad.append(token.content)
+    return bad
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_no_myst_left_in_a_plain_viewer(path):
+    found = [f"cell {cell_id}: {what}" for cell_id, text in markdown_cells(path)
+             for what in raw_myst(text) + [f"unparsed fold {f!r}" for f in unparsed_folds(text)]]
+    assert not found, f"{path.name}, rendered as CommonMark:\n" + "\n".join(found)
+
+
+def test_the_check_sees_what_a_viewer_would_show():
+    "Each kind of MyST is caught; the markup that replaced it is not."
+    for text in ["a {glue:text}`x:.2f` b", "{doc}`chapter <02_attention>`", "```{note}\nhi\n```",
+                 ":::{dropdown} Solution 1: x\nbody\n:::", "(sec-x)=\n\n# Title", "see {numref}`fig`"]:
+        found = " ".join(raw_myst(text))
+        assert "(CommonMark)" in found and "(nbconvert)" in found, (text, found)
+    plain = ('a <span data-glue="x:.2f">0.13</span> b, $x^2$, `code`, [2](02_attention.ipynb)\n\n'
+             "<details><summary>Solution 1: <i>x</i></summary>\n\nbody $y$\n\n</details>\n")
+    assert raw_myst(plain) == [] and unparsed_folds(plain) == []
+    assert unparsed_folds("<details><summary>Solution 1</summary>\nbody\n\n</details>")
+    assert "<p>body <em>y</em></p>" in COMMONMARK.render(
+        "<details><summary>S</summary>\n\nbody *y*\n\n</details>")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_the_markup_script_has_nothing_left_to_do(path):
+    """`python tests/plain_markup.py --write` would change nothing here, and fixing twice equals
+    fixing once (the script is safe to run again after every re-execution)."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    assert check(nb, path.stem) == [], "python tests/plain_markup.py --write"
+    once, problems = fix(nb, path.stem)
+    assert problems == []
+    twice, _ = fix(copy.deepcopy(once), path.stem)
+    assert json.dumps(once) == json.dumps(twice) == json.dumps(nb)
