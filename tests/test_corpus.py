@@ -8,10 +8,11 @@ import random
 import numpy as np
 import pytest
 
-from transformer.data import DataError, load_multi30k, multi30k_dir
+from transformer.data import DataError, load_multi30k, multi30k_dir, shard_batches
 from transformer.engine.corpus import ShardedCorpus, length_batches, main, prepare, sample_texts
+from transformer.engine.loop import my_pieces
 from transformer.tokens import Tokenizer, token_batches
-from transformer.training import collate, epoch_batches, make_examples, my_pieces
+from transformer.training import collate, epoch_batches, make_examples
 
 N = 2000                         # a slice of Multi30k's training set: the fast lane
 
@@ -76,7 +77,9 @@ def test_length_batches_equal_token_batches(prepared, options):
     _, examples = prepared
     src, tgt = [s for s, _ in examples], [t for _, t in examples]
     options = {"max_tokens": 300, **options}
-    want = token_batches(src, tgt, **options)
+    share = {k: options.pop(k) for k in ("rank", "world_size") if k in options}   # appendix A's shard_batches
+    want = shard_batches(token_batches(src, tgt, **options), **share)
+    options.update(share)
     got = length_batches([len(s) for s in src], [len(t) for t in tgt], **options)
     assert [b.tolist() for b in got] == want
 

@@ -18,8 +18,6 @@ MAIN_LINE = ["tokens", "attention", "heads", "positions", "blocks", "masking", "
 CORE = {"attention", "heads", "positions", "blocks", "masking", "model"}
 FORBIDDEN = {"cache", "caches", "arch", "rank", "world_size", "check_ids", "decoding_state", "attend"}
 PENDING = {                                   # (module, name): still there, to be moved by issue 42
-    ("tokens", "rank"), ("tokens", "world_size"),      # token_batches' sharding (appendix A/F's business)
-    ("training", "rank"), ("training", "world_size"),  # chapter 8's epoch batches pass the sharding on
     ("tokens", "check_ids"),                           # Tokenizer.decode's id check (appendix A), not the hook
     ("model", "arch"),                                 # TransformerConfig.arch, chapter 19.1's field
 }

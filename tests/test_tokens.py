@@ -9,7 +9,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer.data import load_multi30k
+from transformer.data import load_multi30k, shard_batches
 from transformer.tokens import BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch, token_batches
 
 
@@ -256,7 +256,7 @@ def test_batches_source_only_and_max_sentences():
 def test_batches_shard_by_rank(world_size):
     src, tgt = random_pairs(500, 5)
     full = token_batches(src, tgt, 300, seed=1)
-    shards = [token_batches(src, tgt, 300, seed=1, rank=r, world_size=world_size) for r in range(world_size)]
+    shards = [shard_batches(full, r, world_size) for r in range(world_size)]   # appendix A: a rank's share
     assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
     seen = [i for s in shards for b in s for i in b]
     assert len(seen) == len(set(seen))  # no pair on two ranks
@@ -295,13 +295,21 @@ def test_bucketing_pads_less_than_random_batches(tok):
     (dict(src=[[1]], max_tokens=0), r"max_tokens=0 must be an int >= 1"),
     (dict(src=[[1]], max_tokens=10.5), r"max_tokens=10.5"),
     (dict(src=[[1]], max_sentences=0), r"max_sentences=0"),
-    (dict(src=[[1]], world_size=0), r"world_size=0"),
-    (dict(src=[[1]], rank=2, world_size=2), r"rank=2 must be in \[0, world_size=2\)"),
-    (dict(src=[[1]], rank=1, world_size=2), r"only 1 batches for world_size=2"),
 ])
 def test_batches_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_batches(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(world_size=0), r"world_size=0"),
+    (dict(rank=2, world_size=2), r"rank=2 must be in \[0, world_size=2\)"),
+    (dict(rank=1, world_size=2), r"only 1 batches for world_size=2"),
+])
+def test_shards_bad_input(kwargs, match):
+    "The sharding of appendix A (moved out of token_batches by issue 42) refuses what token_batches refused."
+    with pytest.raises(ValueError, match=match):
+        shard_batches(token_batches([[1]]), **kwargs)
 
 
 # --- padding --------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from transformer.engine.checkpoints import (
     save_checkpoint,
     strip_prefixes,
 )
-from transformer.engine.loop import train
+from transformer.engine.loop import my_pieces, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD
 from transformer.training import (
@@ -36,7 +36,6 @@ from transformer.training import (
     collate,
     epoch_batches,
     label_smoothed_nll,
-    my_pieces,
     rate,
 )
 

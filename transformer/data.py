@@ -49,11 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError',
-           'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k',
-           'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding',
-           'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset',
-           'config_from_dict', 'check_inputs']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -532,8 +528,7 @@ def check_id_tensor(ids: torch.Tensor) -> torch.Tensor:
 
 # %% ../book/a_data.ipynb #a_batchchk
 def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: int,
-                max_sentences: int | None = None, rank: int = 0,
-                world_size: int = 1) -> list[int]:
+                max_sentences: int | None = None) -> list[int]:
     """Check the arguments of chapter 1's `token_batches` and return each pair's cost,
     the longer of its two sides (at least 1)."""
     if len(src_lens) != len(tgt_lens):
@@ -541,14 +536,10 @@ def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: in
                          f"{len(tgt_lens)}")
     if not src_lens:
         raise ValueError("token_batches got no sequences")
-    for name, value, low in (("max_tokens", max_tokens, 1),
-                             ("world_size", world_size, 1)):
-        if not is_int(value) or value < low:
-            raise ValueError(f"{name}={value!r} must be an int >= {low}")
+    if not is_int(max_tokens) or max_tokens < 1:
+        raise ValueError(f"max_tokens={max_tokens!r} must be an int >= 1")
     if max_sentences is not None and (not is_int(max_sentences) or max_sentences < 1):
         raise ValueError(f"max_sentences={max_sentences!r} must be None or an int >= 1")
-    if not is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
     cost = [max(a, b, 1) for a, b in zip(src_lens, tgt_lens, strict=True)]
     longest = max(range(len(cost)), key=cost.__getitem__)
     if cost[longest] > max_tokens:
@@ -562,6 +553,10 @@ def shard_batches(batches: list[list[int]], rank: int = 0,
                   world_size: int = 1) -> list[list[int]]:
     """Rank `rank`'s share of an epoch: every `world_size`-th batch, after dropping the
     last few (fewer than `world_size`) so that every rank runs the same number of steps."""
+    if not is_int(world_size) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
+    if not is_int(rank) or not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
     if world_size == 1:
         return batches
     usable = len(batches) // world_size * world_size
@@ -680,3 +675,23 @@ def check_inputs(config, src: torch.Tensor | None = None, tgt_in: torch.Tensor |
         raise ValueError(f"memory of shape {tuple(memory.shape)} does not fit "
                          f"tgt_in of shape {tuple(tgt_in.shape)}; expected "
                          f"(B={tgt_in.size(0)}, S, d_model={config.d_model})")
+
+# %% ../book/e_2_loop.ipynb #t005d
+def check_train_config(c) -> None:
+    "Every field of chapter 8's `TrainConfig` in its range, or a `ValueError` naming the first that is not."
+    def whole(v, low):   # an int, not a bool, >= low
+        return isinstance(v, int) and not isinstance(v, bool) and v >= low
+    checks = [(name, whole(getattr(c, name), 1), "an int >= 1") for name in (
+        "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
+    checks += [(name, 0 <= getattr(c, name) < 1, "in [0, 1)") for name in (
+        "beta1", "beta2", "label_smoothing", "subword_dropout")]
+    checks += [(name, getattr(c, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
+    checks += [
+        ("keep_checkpoints", whole(c.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
+        ("snapshot_every", c.snapshot_every is None or whole(c.snapshot_every, 1),
+         "an int >= 1 or None (= eval_every)"),
+        ("clip_norm", c.clip_norm is None or c.clip_norm > 0, "> 0 or None"),
+        ("max_minutes", c.max_minutes is None or c.max_minutes > 0, "> 0 or None")]
+    for name, ok, rule in checks:
+        if not ok:
+            raise ValueError(f"{name}={getattr(c, name)!r} must be {rule}")

@@ -71,14 +71,13 @@ class Embeddings(nn.Module):
 # %% ../book/01_tokens.ipynb #04b353fb
 def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | None = None,
                   max_tokens: int = 4096, *, shuffle: bool = True, seed: int = 0,
-                  max_sentences: int | None = None, rank: int = 0,
-                  world_size: int = 1) -> list[list[int]]:
+                  max_sentences: int | None = None) -> list[list[int]]:
     """Length-bucketed batches of indices, each of padded size (`len(batch) * longest side`)
-    within `max_tokens`, shuffled with `seed` (the epoch); `rank`'s share (appendix A)."""
+    within `max_tokens`, shuffled with `seed` (the epoch)."""
     src_lens = [len(s) for s in src]
     tgt_lens = src_lens if tgt is None else [len(t) for t in tgt]
     # a pair costs its longer side; appendix A checks the arguments
-    cost = data.batch_costs(src_lens, tgt_lens, max_tokens, max_sentences, rank, world_size)
+    cost = data.batch_costs(src_lens, tgt_lens, max_tokens, max_sentences)
     rng = random.Random(seed)
     order = list(range(len(cost)))
     if shuffle:
@@ -94,7 +93,7 @@ def token_batches(src: Sequence[Sequence[int]], tgt: Sequence[Sequence[int]] | N
         batches[-1].append(i)
     if shuffle:
         rng.shuffle(batches)
-    return data.shard_batches(batches, rank, world_size)
+    return batches
 
 
 def pad_batch(seqs: Sequence[Sequence[int]],

@@ -10,13 +10,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import config_from_dict
+from .data import check_train_config, config_from_dict
 from .masking import teacher_forcing
 from .model import Transformer
 from .tokens import PAD, Tokenizer, pad_batch, token_batches
 
 # %% auto #0
-__all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'my_pieces', 'collate', 'make_examples', 'Seq2SeqLoss', 'TrainConfig', 'check_train_config']
+__all__ = ['TRAIN_PRESETS', 'label_smoothed_nll', 'rate', 'make_optimizer', 'set_rate', 'epoch_batches', 'collate',
+           'make_examples', 'Seq2SeqLoss', 'TrainConfig']
 
 # %% ../book/08_training.ipynb #c005
 def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: float = 0.1,
@@ -69,12 +70,6 @@ def epoch_batches(examples: list[tuple[list[int], list[int]]], batch_tokens: int
     batches = token_batches([s for s, _ in examples], [t for _, t in examples], budget,
                             shuffle=True, seed=seed * 1_000_003 + epoch)
     return [batches[i:i + pieces] for i in range(0, len(batches) - pieces + 1, pieces)]
-
-
-def my_pieces(step_pieces: list[list[int]], rank: int = 0,
-              world_size: int = 1) -> list[list[int]]:
-    "The pieces of one global batch that process `rank` of `world_size` computes."
-    return step_pieces[rank::world_size]
 
 
 def collate(examples, indices: list[int],
@@ -170,23 +165,3 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return config_from_dict(cls, d)
-
-# %% ../book/e_2_loop.ipynb #t005d
-def check_train_config(c: TrainConfig) -> None:
-    "Every field of a `TrainConfig` in its range, or a `ValueError` naming the first that is not."
-    def whole(v, low):   # an int, not a bool, >= low
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-    checks = [(name, whole(getattr(c, name), 1), "an int >= 1") for name in (
-        "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
-    checks += [(name, 0 <= getattr(c, name) < 1, "in [0, 1)") for name in (
-        "beta1", "beta2", "label_smoothing", "subword_dropout")]
-    checks += [(name, getattr(c, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
-    checks += [
-        ("keep_checkpoints", whole(c.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
-        ("snapshot_every", c.snapshot_every is None or whole(c.snapshot_every, 1),
-         "an int >= 1 or None (= eval_every)"),
-        ("clip_norm", c.clip_norm is None or c.clip_norm > 0, "> 0 or None"),
-        ("max_minutes", c.max_minutes is None or c.max_minutes > 0, "> 0 or None")]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"{name}={getattr(c, name)!r} must be {rule}")

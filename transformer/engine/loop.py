@@ -52,14 +52,13 @@ from transformer.training import (
     epoch_batches,
     make_examples,
     make_optimizer,
-    my_pieces,
     rate,
     set_rate,
 )
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'merge_children', 'SubwordDropout',
-           'average_checkpoints', 'averaging_windows', 'final_evaluation']
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'my_pieces', 'merge_children',
+           'SubwordDropout', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
 
 # %% ../../book/e_2_loop.ipynb #c030
 @dataclass
@@ -193,6 +192,12 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
         return loop.run(resume)
 
 # %% ../../book/e_2_loop.ipynb #c031a
+def my_pieces(step_pieces: list[list[int]], rank: int = 0,
+              world_size: int = 1) -> list[list[int]]:
+    "The pieces of one global batch (chapter 8's `epoch_batches`) that process `rank` of `world_size` computes."
+    return step_pieces[rank::world_size]
+
+
 class _Loop:
     """One training run: its state, and its moves (a step, a look at the numbers, an
     evaluation, a save)."""
