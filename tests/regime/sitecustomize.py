@@ -12,19 +12,23 @@ import os
 
 _shift = int(os.environ.get("TRANSFORMER_SEED_SHIFT", "0") or 0)
 
+
+
+def _shifted(seed_fn):
+    def seed(value=None, *args, **kwargs):
+        return seed_fn(value if value is None else int(value) + _shift, *args, **kwargs)
+    seed.__doc__ = seed_fn.__doc__
+    return seed
+
+
 if _shift:
     import random
-
-    import torch
-
-    def _shifted(seed_fn):
-        def seed(value=None, *args, **kwargs):
-            return seed_fn(value if value is None else int(value) + _shift, *args, **kwargs)
-        seed.__doc__ = seed_fn.__doc__
-        return seed
-
-    torch.manual_seed = torch.random.manual_seed = _shifted(torch.manual_seed)
     random.seed = _shifted(random.seed)
+    try:                                    # a process without them (a test's fresh venv) goes on
+        import torch
+        torch.manual_seed = torch.random.manual_seed = _shifted(torch.manual_seed)
+    except ImportError:
+        pass
     try:
         import numpy
         numpy.random.seed = _shifted(numpy.random.seed)
