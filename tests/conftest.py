@@ -12,6 +12,18 @@ from filelock import FileLock
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_configure(config):
+    """xdist's workers share the cores: each takes its share of torch's threads (one each when
+    there are as many workers as cores), and so do the notebooks' kernels and the subprocesses it
+    starts (OMP_NUM_THREADS, inherited), unless the caller set OMP_NUM_THREADS. n workers of n
+    threads each on n cores would wait on each other's OpenMP threads, which spin while they wait."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
 @pytest.fixture
 def one_thread():
     """One torch thread for the test, restored after: the models of the tests are tiny (a

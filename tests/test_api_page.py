@@ -69,7 +69,7 @@ def test_the_top_level_names_are_listed_and_link_to_their_documentation(api_html
     "transformer.model.TransformerConfig",
     "transformer.heads.MultiHeadAttention",
     "transformer.attention.scaled_dot_product_attention",
-    "transformer.decoding.beam_search",
+    "transformer.engine.fast.beam_search",
     "transformer.engine.loop.train",
     "transformer.modern.rope.apply_rope",
     "transformer.figures.plots.learning_curves",
