@@ -228,6 +228,7 @@ class _Loop:
                    "eval_seconds": 0.0, "tokens": 0}
         self.best, self.saved_step, self.history = None, None, []
         self.last_eval_seconds = 0.0                 # the latest evaluation's time
+        self.step_seconds = 0.0                      # the latest step's time
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
         # went non-finite, and the first of them (step, loss sum, gradient norm)
@@ -318,6 +319,9 @@ class _Loop:
                         self.snapshot()
                     if evaluate:
                         self.evaluate()
+                        if not done and self.no_time_after_eval():
+                            # the evaluation just made is the final one: no second a step later
+                            done, stopped = True, "max_minutes"
                     if evaluate or done:
                         self.save("last.pt")
                     if done:
@@ -382,9 +386,9 @@ class _Loop:
         now, (then, evals) = self.clock(), self.tick
         # what one more step (log_every of them between agreements with several
         # processes) and the final evaluation would take, timed as the last ones took
-        step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
+        self.step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
         self.tick = (now, self.at["eval_seconds"])
-        reserve = step_seconds * (c.log_every if self.world_size > 1 else 1)
+        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
         # going on past a step that evaluates anyway costs that evaluation and the final
         # one; stopping there, only the one
         evals = 2 if self.at["step"] % c.eval_every == 0 else 1
@@ -398,6 +402,22 @@ class _Loop:
                 device=self.device)).tolist()
             interrupted, late = flags[0] > 0, flags[1] > 0
         return "interrupted" if interrupted else "max_minutes" if late else None
+
+    def no_time_after_eval(self) -> bool:
+        """Right after an evaluation that did not end the run: would one more step (or
+        `log_every` of them with several processes) and the final evaluation, at the cost
+        just measured, pass `max_minutes`? Then the run ends on this evaluation. Before the
+        first one `should_stop` cannot know what an evaluation costs; without this, a run
+        whose time runs out there would evaluate again one step later."""
+        c = self.config
+        if c.max_minutes is None:
+            return False
+        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
+        late = self.clock() + reserve + self.last_eval_seconds >= 60 * c.max_minutes
+        if self.world_size > 1:   # every process evaluates at this step: all agree here
+            late = all_sum(torch.tensor([float(late and self.rank == 0)],
+                                        device=self.device)).item() > 0
+        return late
 
     def read_window(self) -> tuple[float, float, float]:
         """Loss and NLL sums since the last log (all processes) and the last gradient

@@ -1,0 +1,85 @@
+"""Issue 44: a run ends on one evaluation. Counted on a fake clock (a step takes 1 s, an evaluation 5 s), never timed:
+the steps at which the loop's `evaluate` runs, whether the run stops on its time limit or at `max_steps`."""
+import types
+
+import pytest
+import torch
+
+import transformer.engine.loop as loop
+from transformer.engine.loop import train
+from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, EOS
+from transformer.training import TrainConfig
+
+
+def examples(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        x = torch.randint(4, 16, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
+        out.append((x + [EOS], [BOS] + x + [EOS]))
+    return out
+
+
+@pytest.fixture
+def evaluations(monkeypatch):
+    """Runs `train` on a fake clock; returns (result, the step of every call of `_Loop.evaluate`)."""
+    now = [0.0]
+    monkeypatch.setattr(loop, "time", types.SimpleNamespace(perf_counter=lambda: now[0]))
+    step, evaluate = loop._Loop.step, loop._Loop.evaluate
+    calls = []
+
+    def timed_step(self, *args):
+        now[0] += 1.0
+        return step(self, *args)
+
+    def counted_evaluate(self):
+        calls.append(self.at["step"])
+        return evaluate(self)
+
+    def timed_eval(model, step):     # on_eval: the evaluation's 5 s, inside the time it measures
+        now[0] += 5.0
+        return {}
+
+    monkeypatch.setattr(loop._Loop, "step", timed_step)
+    monkeypatch.setattr(loop._Loop, "evaluate", counted_evaluate)
+
+    def run(tmp_path, **config):
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1,
+                                              dropout=0.0, max_len=32))
+        base = dict(batch_tokens=256, warmup=10, eval_every=10, log_every=5, max_steps=1000)
+        result = train(model, examples(100, 1), examples(8, 2), TrainConfig(**{**base, **config}),
+                       out_dir=tmp_path, progress=False, on_eval=timed_eval)
+        return result, calls
+    return run
+
+
+@pytest.mark.parametrize("budget", [16, 18, 20])
+def test_a_run_whose_time_runs_out_at_its_first_evaluation_ends_on_it(tmp_path, evaluations, budget):
+    """At step 10 (10 s on the clock) no evaluation has been timed yet, so one more step looks affordable; the
+    evaluation then takes 5 s, and one more step and a final evaluation (21 s) would pass the budget. The run ends
+    on that evaluation (15 s): before, it trained step 11 and evaluated a second time (21 s, past the budget)."""
+    result, calls = evaluations(tmp_path, max_minutes=budget / 60)
+    assert result.stopped == "max_minutes" and result.step == 10
+    assert calls == [10]
+    assert [r["step"] for r in result.history if r["kind"] == "eval"] == [10]
+    assert result.train_seconds == 15.0 <= budget
+    saved = torch.load(tmp_path / "last.pt", weights_only=False)
+    assert saved["progress"]["step"] == 10                # last.pt holds the step it ended on
+
+
+def test_a_run_with_time_after_its_evaluation_trains_on_and_evaluates_once_at_the_end(tmp_path, evaluations):
+    """Budget 30 s: after step 10's evaluation (15 s) steps 11 to 19 fit (24 s + 1 + 5 = 30 stops there); the
+    final evaluation at 19 is the only one after 10."""
+    result, calls = evaluations(tmp_path, max_minutes=30 / 60)
+    assert result.stopped == "max_minutes" and result.step == 19
+    assert calls == [10, 19]
+
+
+@pytest.mark.parametrize("max_steps, expected", [(20, [10, 20]), (15, [10, 15]), (10, [10])])
+def test_a_run_stopped_by_max_steps_evaluates_once_at_its_last_step(tmp_path, evaluations, max_steps, expected):
+    result, calls = evaluations(tmp_path, max_steps=max_steps)
+    assert result.stopped == "max_steps" and result.step == max_steps
+    assert calls == expected
