@@ -102,7 +102,7 @@ CHAPTERS = [p for p in NOTEBOOKS if re.match(r"\d\d_", p.stem)]
 HARNESS = re.compile(r"\btests/|\btest_\w+\.py\b|\bissues? \d+|\(asserted|\basserted\)|"
                      r"\bthresholds?\b|\bworst of (?:the )?\d+", re.IGNORECASE)
 # chapters being rewritten under issue 43 by others: checked once their rewrite lands
-HARNESS_PENDING = {"12_results": "chapter 12's rewrite as a lesson moves its run log to appendix H"}
+HARNESS_PENDING: dict[str, str] = {}
 
 
 def harness_talk(text: str) -> list[str]:

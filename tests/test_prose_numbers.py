@@ -58,9 +58,6 @@ GLUED = {
     },
     "11_traced": {"0.6": "the paper's length penalty alpha (section 6.1)"},
     "12_results": {
-        "0.1": "dropout of runs (asserted in cell r050a)",
-        "0.2": "subword dropout of runs (asserted in cell r046)",
-        "0.3": "dropout of runs (asserted in cell r050a)",
         "29,000": "Multi30k's training pairs (Elliott et al., 2016)",
         "27.3": "the paper's base model on newstest2014 (Table 2)",
         "4.5": "WMT 2014 English-German: 4.5 million sentence pairs (the paper's section 5.1)",
