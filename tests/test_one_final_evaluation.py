@@ -11,6 +11,8 @@ from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
 from transformer.training import TrainConfig
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 def examples(n, seed):
     g = torch.Generator().manual_seed(seed)
@@ -45,7 +47,6 @@ def evaluations(monkeypatch):
     monkeypatch.setattr(loop._Loop, "evaluate", counted_evaluate)
 
     def run(tmp_path, **config):
-        torch.set_num_threads(1)
         torch.manual_seed(0)
         model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1,
                                               dropout=0.0, max_len=32))
