@@ -21,17 +21,18 @@ from transformer.cli.measure import (
     bench_data,
     copy_weights,
     environment,
-    resolve_device,
     train_flops,
     train_step,
 )
 from .train import cap_kernel_cache, keep_freed_memory
 from ..engine.checkpoints import atomic_write
 from transformer.engine.devices import (
+    DEVICES,
     cpu_has_bf16_units,
     fast_matmul,
     inductor_workarounds,
     peak_memory,
+    pick_device,
 )
 from ..engine.fast import FastSeq2SeqLoss, greedy_search, speed_up
 from ..model import PRESETS, Transformer, TransformerConfig
@@ -80,12 +81,12 @@ class _Bench:
         self.generated = {}
 
     def timed(self, fn) -> float:
-        if self.cuda:
-            torch.cuda.synchronize(self.dev)
+        if self.dev.type != "cpu":                 # CUDA, MPS: wait for the kernels
+            torch.accelerator.synchronize(self.dev)
         t0 = time.perf_counter()
         fn()
-        if self.cuda:
-            torch.cuda.synchronize(self.dev)
+        if self.dev.type != "cpu":                 # CUDA, MPS: wait for the kernels
+            torch.accelerator.synchronize(self.dev)
         return time.perf_counter() - t0
 
     def step(self, name: str, i: int) -> float:
@@ -208,17 +209,20 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
         torch.set_num_threads(threads)
     try:
         started = time.perf_counter()
-        dev = resolve_device(device)
+        dev = pick_device(device, compile)             # appendix F: auto, cuda, mps, cpu
         cuda = dev.type == "cuda"
-        autocast = (cuda or cpu_has_bf16_units()) if bf16 is None else bool(bf16)
+        # bf16 by default on CUDA and on CPUs with bf16 units; float32 on MPS
+        autocast = ((cuda or (dev.type == "cpu" and cpu_has_bf16_units()))
+                    if bf16 is None else bool(bf16))
         # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast
         # for the rest
         fast_matmul(dev)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
         # as `train` does on CPU
-        env["keep_freed_memory"] = (not cuda) and keep_memory and keep_freed_memory()
-        if not cuda:
+        on_cpu = dev.type == "cpu"
+        env["keep_freed_memory"] = on_cpu and keep_memory and keep_freed_memory()
+        if on_cpu:
             cap_kernel_cache()      # effective if nothing ran a oneDNN kernel before
         log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} "
             "slots ...")
@@ -382,7 +386,7 @@ def main(argv: list[str] | None = None,
         "(same sizes, weights, embeddings, generator and Multi30k batches), "
         "alternating runs, median ratios."))
     p.add_argument("--preset", default="small", choices=list(PRESETS))
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--device", default="auto", choices=DEVICES)
     p.add_argument("--repeats", type=int, default=5,
                    help="alternating rounds (default 5)")
     p.add_argument("--batches", type=int, default=2,
@@ -425,7 +429,7 @@ def main(argv: list[str] | None = None,
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
     try:
-        resolve_device(args.device)
+        pick_device(args.device, args.compile)
     except ValueError as e:
         p.error(str(e))
     # now, not after minutes of benchmark

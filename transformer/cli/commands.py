@@ -17,13 +17,14 @@ import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.checkpoints import atomic_write
+from ..engine.devices import DEVICES
 from ..engine.trained import BATCH_TOKENS, load
 from ..model import ARCHS, POSITIONS, PRESETS, Transformer
 from ..tokens import Tokenizer
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'pick_device',
-           'describe_device', 'write_json', 'load_pairs', 'load_run', 'Terminated', 'report', 'run_command']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'describe_device',
+           'write_json', 'load_pairs', 'load_run', 'Terminated', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -145,7 +146,7 @@ def _train_parser(sub) -> None:
     t.add_argument("--out", metavar="DIR",
                    help="run directory (default: runs/<preset>-<src>-<tgt>); one "
                         "run at a time: it is locked while the run goes on")
-    t.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    t.add_argument("--device", choices=DEVICES, default="auto")
     t.add_argument("--max-steps", type=_positive(int), metavar="N",
                    help="optimizer steps (default: the preset's)")
     t.add_argument("--max-minutes", type=_positive(float), metavar="M",
@@ -247,7 +248,7 @@ def _inference_parsers(sub) -> None:
                        help="which weights (default: what train picked on val: "
                             "averaged.pt if it won, else best.pt)")
         _decoding_flags(c)
-        c.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+        c.add_argument("--device", choices=DEVICES, default="auto")
         c.add_argument("--threads", type=_positive(int), metavar="N")
         c.add_argument("--batch-tokens", type=_positive(int), default=BATCH_TOKENS,
                        metavar="N", help="positions one batch decodes at once: beams x "
@@ -351,22 +352,14 @@ def _add_figure_commands(sub) -> None:
                         "attention-KIND[-layerL][-headH].png)")
 
 # %% ../../book/c_commands.ipynb #c007
-def pick_device(name: str) -> torch.device:
-    ("The device `--device NAME` asks for (auto, cpu, cuda); CUDA asked for where there "
-     "is none is a `CLIError`.")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise CLIError("--device cuda: no CUDA device is available here (CPU-only "
-                       "torch or no GPU); use --device cpu or --device auto")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def describe_device(device: torch.device) -> str:
     ("The device in words, for the log and results.json: the GPU's name, or the CPU's "
-     "cores, threads and architecture.")
+     "cores, threads and architecture. (`--device` itself is read by appendix F's "
+     "`pick_device`.)")
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
+    if device.type == "mps":
+        return f"mps (Apple silicon GPU, {platform.machine()})"
     threads = torch.get_num_threads()
     return (f"cpu ({os.cpu_count()} cores, {threads} "
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")

@@ -23,7 +23,7 @@ warnings.filterwarnings("ignore", message="The PyTorch API of nested tensors")
 
 # %% auto #0
 __all__ = ['DEFAULT_MAX_TOKENS', 'PEAK_BF16_TFLOPS', 'TorchTransformer', 'copy_weights', 'BenchData', 'bench_data', 'train_step',
-           'train_flops', 'assumed_peak_tflops', 'environment', 'resolve_device']
+           'train_flops', 'assumed_peak_tflops', 'environment']
 
 # %% ../../book/d_performance.ipynb #r006
 class TorchTransformer(nn.Module):
@@ -265,15 +265,3 @@ def environment(device: torch.device) -> dict:
             "load_average": ([round(x, 2) for x in os.getloadavg()]
                              if hasattr(os, "getloadavg") else None)}
 
-
-def resolve_device(device: str) -> torch.device:
-    """'auto' -> cuda when available, else cpu; 'cuda' without a GPU is an error that
-    says so."""
-    if device not in ("auto", "cpu", "cuda"):
-        raise ValueError(f"device={device!r} is not one of 'auto', 'cpu', 'cuda'")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device='cuda' but torch sees no CUDA GPU; "
-                         "use --device cpu (or auto)")
-    return torch.device(device)

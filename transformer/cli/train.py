@@ -30,13 +30,12 @@ from transformer.cli.commands import (
     Terminated,
     describe_device,
     load_pairs,
-    pick_device,
     write_json,
 )
 from ..data import sha256_file
 from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
 from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
-from ..engine.devices import init_distributed
+from ..engine.devices import init_distributed, pick_device
 from ..engine.fast import bleu_callback
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
@@ -295,7 +294,7 @@ def cmd_train(args) -> int:
     if args.src == args.tgt:
         raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
                        "languages")
-    device = pick_device(args.device)
+    device = pick_device(args.device, args.compile)
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":

@@ -23,8 +23,8 @@ from sacrebleu import BLEU, CHRF
 from tqdm import tqdm
 
 from . import web  # appendix I: export --web
-from .commands import CLIError, Terminated, load_pairs, pick_device
-from ..engine.devices import fast_matmul
+from .commands import CLIError, Terminated, load_pairs
+from ..engine.devices import fast_matmul, pick_device
 from ..engine.fast import translate
 from ..engine.trained import WEIGHTS, load, translate_chunks
 from ..model import Transformer

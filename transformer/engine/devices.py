@@ -18,9 +18,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from ..data import UserError
+
 # %% auto #0
-__all__ = ['cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul', 'prefetch',
-           'distributed', 'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
+__all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul',
+           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'distributed', 'all_sum',
+           'StopRequest', 'inductor_workarounds', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -124,6 +127,46 @@ def fast_matmul(device: torch.device) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
 
+# %% ../../book/f_devices.ipynb #fdev02
+DEVICES = ("auto", "cpu", "cuda", "mps")     # what --device accepts
+
+
+class DeviceError(UserError, ValueError):
+    "A device asked for that this machine does not have, or cannot use as asked."
+
+
+def mps_available() -> bool:
+    "Whether torch can use Apple silicon's GPU here (macOS 12.3 or later, an MPS build)."
+    mps = getattr(torch.backends, "mps", None)
+    return mps is not None and mps.is_available()
+
+
+def pick_device(name: str = "auto", compile: bool = False) -> torch.device:
+    """The device `--device NAME` asks for: 'auto' is CUDA, then MPS, then the CPU. A
+    device that is not here, or `compile=True` on MPS, is a `DeviceError` that says what
+    to do instead."""
+    if name not in DEVICES:
+        raise DeviceError(f"--device {name}: not one of {', '.join(DEVICES)}")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise DeviceError("--device cuda: no CUDA device is available here (a CPU-only "
+                          "torch build, or no GPU); use --device auto or --device cpu")
+    if name == "mps" and not mps_available():
+        raise DeviceError("--device mps: no Apple silicon GPU is available here (MPS needs "
+                          "macOS 12.3+ on an M-series Mac); use --device auto or --device cpu")
+    if name == "auto":
+        name = ("cuda" if torch.cuda.is_available() else
+                "mps" if mps_available() else "cpu")
+    if compile and name == "mps":
+        raise DeviceError("--compile on mps: the engine does not use torch.compile on "
+                          "Apple GPUs (untested there); drop --compile, or pass "
+                          "--device cpu to compile on the CPU")
+    return torch.device(name)
+
+
+def pins_memory(device) -> bool:
+    "Whether `prefetch` makes batches for `device` in page-locked memory: CUDA only."
+    return torch.device(device).type == "cuda"
+
 # %% ../../book/f_devices.ipynb #f015
 def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
     """Yield `(item, make(item))` for each of `items`, the tensors that `make` returns
@@ -134,7 +177,7 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
     (`non_blocking=True` waits for nothing only from pinned memory). Elsewhere it makes
     them in line (`threaded` overrides). An error in `make` is raised here."""
     device = torch.device(device)
-    pin = device.type == "cuda"
+    pin = pins_memory(device)
     threaded = pin if threaded is None else threaded
 
     def ready(item):
