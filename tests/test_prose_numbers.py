@@ -183,38 +183,43 @@ def test_hand_typed_number_is_caught():
 
 # --- nbval on planted drifts: the suite's own notebook check, run on a copy ---
 
-def nbval(folder: Path) -> dict[str, str | None]:
+def nbval(folder: Path) -> dict[tuple[str, str], str | None]:
     """`pytest --nbval` with the repository's settings (pyproject.toml's addopts: --nbval
     --nbval-current-env --nbval-sanitize-with book/sanitize.cfg), as `pytest book/` runs every
-    chapter, once on every notebook in `folder`: {file name: None if it passed, else what nbval said}."""
+    chapter, once on every notebook in `folder`: {(file name, "Cell N"): None if that cell passed,
+    else what nbval said}."""
     import xml.etree.ElementTree as ET
     report = folder / "report.xml"
     subprocess.run([sys.executable, "-m", "pytest", "-c", str(ROOT / "pyproject.toml"), "-n", "0",
                     "--rootdir", str(folder), "-q", f"--junitxml={report}", str(folder)],
                    cwd=ROOT, capture_output=True, text=True, timeout=600)
-    results = {p.name: None for p in folder.glob("*.ipynb")}
+    results = {}
     for case in ET.parse(report).iter("testcase"):
-        for problem in [*case.iter("failure"), *case.iter("error")]:
-            name = case.get("classname")                         # the notebook's file name
-            results[name] = (results[name] or "") + (problem.get("message") or "") + (problem.text or "")
+        problems = [*case.iter("failure"), *case.iter("error")]
+        results[case.get("classname"), case.get("name")] = "".join(
+            (p.get("message") or "") + (p.text or "") for p in problems) or None
     return results
 
 
-def small_notebook(tags: list[str]) -> dict:
-    "A chapter in miniature: a glued value, and the text that quotes it."
+SMALL = ["ok", "drift", "same", "ignored"]      # the cells of the small notebook, in order
+
+
+def small_notebook() -> dict:
+    """A chapter in miniature, one cell a case: each cell glues a value, and the text quotes it.
+    The last cell is tagged nbval-ignore-output."""
     import nbformat
     from nbclient import NotebookClient
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                  "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("from myst_nb import glue\n\n"
-                                  "ratio = 2 ** 0.5\n"
-                                  "print(f'ratio {ratio:.2f}')\n"
-                                  "glue('ratio', ratio, display=False)",
-                                  metadata={"tags": tags} if tags else {}),
-        nbformat.v4.new_markdown_cell('The ratio is <span data-glue="ratio:.2f">1.41</span>.'),
-    ]
+    nb.cells = [nbformat.v4.new_code_cell("from myst_nb import glue")]
+    for name in SMALL:
+        nb.cells.append(nbformat.v4.new_code_cell(
+            f"ratio_{name} = 2 ** 0.5\nprint(f'ratio {{ratio_{name}:.2f}}')\n"
+            f"glue('ratio_{name}', ratio_{name}, display=False)",
+            metadata={"tags": ["nbval-ignore-output"]} if name == "ignored" else {}))
+        nb.cells.append(nbformat.v4.new_markdown_cell(
+            f'The ratio is <span data-glue="ratio_{name}:.2f">1.41</span>.'))
     NotebookClient(nb, timeout=120, kernel_name="python3").execute()
     return json.loads(nbformat.writes(nb))
 
@@ -239,15 +244,15 @@ def write(nb: dict, path: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory) -> dict[str, str | None]:
-    """One nbval run over every planted drift below and its untouched copy (one pytest process
-    and one kernel start instead of one per notebook)."""
+    """One nbval run over every planted drift below (one pytest process; two kernels: the small
+    notebook, whose cells hold one case each, and a cut copy of chapter 7.1):
+    {case: None if its cell passed, else what nbval said}."""
     folder = tmp_path_factory.mktemp("planted")
-    small, ignored = small_notebook(tags=[]), small_notebook(tags=["nbval-ignore-output"])
-    write(small, folder / "ok.ipynb")
-    write(plant(small, "ratio", "1.5"), folder / "drift.ipynb")
+    small = plant(small_notebook(), "ratio_drift", "1.5")
     # the five decimals of book/sanitize.cfg: a difference in the sixth is rounding, not drift
-    write(plant(small, "ratio", "1.4142139"), folder / "same.ipynb")
-    write(plant(ignored, "ratio", "1.5"), folder / "ignored.ipynb")
+    small = plant(small, "ratio_same", "1.4142139")
+    small = plant(small, "ratio_ignored", "1.5")
+    write(small, folder / "small.ipynb")
     nb = read(BOOK / "07_1_model.ipynb")
     names = glued(nb)
     assert "base_params" in names
@@ -255,33 +260,39 @@ def planted(tmp_path_factory) -> dict[str, str | None]:
     index = next(i for i, c in enumerate(nb["cells"]) if c.get("id") == cell_id)
     cut = copy.deepcopy(nb)
     cut["cells"] = cut["cells"][:index + 1]              # nothing after it is needed
-    write(cut, folder / "model_ok.ipynb")
+    code_cells = sum(c["cell_type"] == "code" for c in cut["cells"])
     write(plant(cut, "base_params", "65000000"), folder / "model_drift.ipynb")
-    return nbval(folder)
+    results = nbval(folder)
+    cases = {name: results["small.ipynb", f"Cell {i + 1}"] for i, name in enumerate(SMALL)}
+    cases["model_before"] = "".join(results["model_drift.ipynb", f"Cell {i}"] or ""
+                                    for i in range(code_cells - 1)) or None
+    cases["model_drift"] = results["model_drift.ipynb", f"Cell {code_cells - 1}"]
+    return cases
 
 
 @pytest.mark.slow
 def test_nbval_catches_a_drifted_glue_value(planted):
     """A glued value whose stored record a fresh run does not reproduce fails nbval; the same
-    notebook unchanged passes. The prose quotes that record, so the drift the issue found (text
+    cell unchanged passes. The prose quotes that record, so the drift the issue found (text
     that disagrees with the code) fails the suite."""
-    assert planted["ok.ipynb"] is None, planted["ok.ipynb"]
-    drift = planted["drift.ipynb"]
+    assert planted["ok"] is None, planted["ok"]
+    drift = planted["drift"]
     assert drift is not None and GLUE + "text/plain" in drift and "1.5" in drift, drift
-    assert planted["same.ipynb"] is None, planted["same.ipynb"]
+    assert planted["same"] is None, planted["same"]
 
 
 @pytest.mark.slow
 def test_nbval_ignores_glue_in_an_ignored_cell(planted):
     """What nbval does not see: in a cell tagged nbval-ignore-output a drifted glue record
     passes. Such a cell asserts the claim its text makes (CONTRIBUTING)."""
-    assert planted["ignored.ipynb"] is None, planted["ignored.ipynb"]
+    assert planted["ignored"] is None, planted["ignored"]
 
 
 @pytest.mark.slow
 def test_nbval_catches_drift_in_a_chapter(planted):
-    """The same on a real chapter: a copy of 7.1 passes nbval, and with the stored parameter
-    count of the base model (which its text quotes) changed it fails, at that cell."""
-    assert planted["model_ok.ipynb"] is None, planted["model_ok.ipynb"]
-    drift = planted["model_drift.ipynb"]
+    """The same on a real chapter: in a copy of 7.1 with the stored parameter count of the base
+    model (which its text quotes) changed, nbval fails at that cell and passes every cell before
+    it (the whole chapter unchanged passes: `pytest book/07_1_model.ipynb`)."""
+    assert planted["model_before"] is None, planted["model_before"]
+    drift = planted["model_drift"]
     assert drift is not None and "65000000" in drift and GLUE in drift, drift
