@@ -64,27 +64,30 @@ def test_the_cell_does_nothing_where_the_package_is_installed_and_installs_where
 
 @pytest.mark.slow
 def test_the_spec_installs_in_an_empty_venv_from_the_local_checkout(tmp_path):
-    "The cell's requirement, pointed at this checkout: pip builds and installs the package from git."
+    """The cell's requirement, pointed at this checkout: the package is built from git and installed.
+    The installer is uv (locked in requirements.txt): it reads the same PEP 508 string as the cell's
+    %pip, clones and builds the same way (setuptools, isolated), and needs neither pip in the venv nor
+    a pip upgrade from the registry. Its cache keeps a wheel per commit, so an unchanged commit is not
+    built twice."""
+    from uv import find_uv_bin
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", CONFIG["repository"]["branch"]],
                       capture_output=True).returncode != 0:
         pytest.skip(f"this checkout has no branch {CONFIG['repository']['branch']!r} to install from")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
-    # a current pip, as Colab has (the pip that venv bundles may predate `name @ git+file://...@ref`)
-    subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--upgrade", "pip"], check=True,
-                   capture_output=True, timeout=300)
     local = SPEC.replace(CONFIG["repository"]["url"], ROOT.as_uri())
+    assert local != SPEC and local.startswith("transformer-book @ git+file://")
     # --no-deps: the dependencies (torch, ...) are the requirements' business, not this cell's
-    done = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "--no-deps", local],
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([find_uv_bin(), "pip", "install", "--quiet", "--python", str(python), "--no-deps",
+                           local], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    where = subprocess.run([str(python), "-c", "import importlib.util as u; "
-                            "print(u.find_spec('transformer').origin)"], capture_output=True, text=True,
-                           cwd=tmp_path)                                 # not this checkout's copy
-    assert str(venv) in where.stdout and where.stdout.strip().endswith("transformer/__init__.py"), where
-    files = subprocess.run([str(python), "-m", "pip", "show", "--files", "transformer-book"],
-                           capture_output=True, text=True).stdout
+    where = subprocess.run([str(python), "-c", "import importlib.util as u, importlib.metadata as m; "
+                            "print(u.find_spec('transformer').origin); "
+                            "print(*m.files('transformer-book'), sep='\\n')"],
+                           capture_output=True, text=True, cwd=tmp_path)   # not this checkout's copy
+    origin, *files = where.stdout.splitlines()
+    assert str(venv) in origin and origin.endswith("transformer/__init__.py"), where
     for module in ("training.py", "engine/loop.py", "engine/devices.py", "cli/commands.py",
                    "modern/gpt.py", "figures/plots.py"):       # the generated modules came along, subpackages too
         assert f"transformer/{module}" in files

@@ -146,11 +146,19 @@ def test_a_weekly_job_runs_the_second_numeric_regime(wf):
 @pytest.mark.slow
 def test_the_regime_shifts_every_seed_in_a_new_process():
     "tests/regime/sitecustomize.py: seed 0 under TRANSFORMER_SEED_SHIFT=1 draws what seed 1 draws without it."
+    import random
     import sys
+
+    import numpy
+    import torch
     draw = ("import random, numpy, torch; torch.manual_seed(0); random.seed(0); numpy.random.seed(0); "
             "print(torch.rand(1).item(), random.random(), numpy.random.rand())")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRANSFORMER_SEED_SHIFT")}
-    out = lambda code, **extra: subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                               env={**env, **extra}, check=True).stdout
-    shifted = out(draw, PYTHONPATH=str(ROOT / "tests" / "regime"), TRANSFORMER_SEED_SHIFT="1")
-    assert shifted == out(draw.replace("(0)", "(1)"))     # (seeds 0 and 1 draw different numbers)
+    shifted = subprocess.run([sys.executable, "-c", draw], capture_output=True, text=True, check=True,
+                             env={**env, "PYTHONPATH": str(ROOT / "tests" / "regime"),
+                                  "TRANSFORMER_SEED_SHIFT": "1"}).stdout
+    # what seeds 0 and 1 draw, here, from generators of their own: the global ones (and any shift this
+    # process itself runs under, .ci/regime) are not touched
+    unshifted = [f"{torch.rand(1, generator=torch.Generator().manual_seed(seed)).item()} "
+                 f"{random.Random(seed).random()} {numpy.random.RandomState(seed).rand()}\n" for seed in (0, 1)]
+    assert unshifted[0] != unshifted[1] and shifted == unshifted[1]
