@@ -136,3 +136,30 @@ def test_beam_search_never_copies_the_cross_attention_cache(model, monkeypatch):
     beam_search(model, src, 4, extra_len=6)
     assert fixed == [6] * model.config.n_layers                  # once per layer, B rows
     assert reordered and all(not f and n == 6 * 4 for f, n in reordered)
+
+
+def test_bleu_callback_tokenizes_the_validation_sources_once(monkeypatch):
+    "Three evaluations, one `encode_batch` of the sources; the scores are those of `evaluate` (translate, score)."
+    import random
+
+    from transformer.engine.fast import bleu_callback, evaluate
+    from transformer.tokens import Tokenizer
+    rng = random.Random(0)
+    vocab = "zero one two three four five six seven eight nine".split()
+    pairs = [(" ".join(rng.choice(vocab) for _ in range(rng.randint(2, 5))),) * 2 for _ in range(200)]
+    words = Tokenizer.train([s for p in pairs for s in p], vocab_size=56)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=56, tgt_vocab=56, d_model=16, d_ff=32, h=2, n_layers=1,
+                                          dropout=0.0, max_len=64)).eval()
+    calls = []
+    encode_batch = Tokenizer.encode_batch
+
+    def counted(self, texts, *args, **kwargs):
+        calls.append(len(texts))
+        return encode_batch(self, texts, *args, **kwargs)
+    monkeypatch.setattr(Tokenizer, "encode_batch", counted)
+    on_eval = bleu_callback(words, pairs[:12])
+    got = [on_eval(model, step) for step in (1, 2, 3)]
+    assert calls == [12]
+    want = evaluate(model, words, pairs[:12])
+    assert got[0] == got[2] == {k: want[k] for k in ("bleu", "bleu_lc_tok", "chrf")}

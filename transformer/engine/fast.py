@@ -426,6 +426,12 @@ def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
               batch_size: int = 64) -> list[str]:
     "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4."
     ids = _source_ids(model, tokenizer, texts, batch_size)   # checked, within max_len
+    return _translate_ids(model, tokenizer, ids, beam_size, alpha, extra_len, batch_size)
+
+
+def _translate_ids(model: Transformer, tokenizer: Tokenizer, ids: list[list[int]],
+                   beam_size: int, alpha: float, extra_len: int, batch_size: int) -> list[str]:
+    "`translate` on source ids that `_source_ids` made and checked: shortest first, in batches."
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out: list[str] = [""] * len(ids)
     was_training = model.training
@@ -488,13 +494,17 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
                   ) -> Callable[[Transformer, int], dict]:
     """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
     chrf on `pairs`. With several processes (DDP) each translates a share, and every
-    process scores them all (appendix F): none waits for another to translate."""
+    process scores them all (appendix F): none waits for another to translate. The
+    sources are tokenized and checked once, at the first evaluation, not at every one."""
     pairs = list(pairs)
+    sources: list[list[int]] = []        # the sources' ids, once made
 
     def on_eval(model: Transformer, step: int) -> dict:
         shared = dist.is_available() and dist.is_initialized()
         rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
-        mine = translate(model, tokenizer, [s for s, _ in pairs[rank::world]], beam_size, alpha)
+        if not sources:
+            sources.extend(_source_ids(model, tokenizer, [s for s, _ in pairs], 64))
+        mine = _translate_ids(model, tokenizer, sources[rank::world], beam_size, alpha, 50, 64)
         shares = [mine] * world
         if world > 1:
             dist.all_gather_object(shares, mine)    # rank r: pairs[r::world]
