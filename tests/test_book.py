@@ -116,14 +116,73 @@ def test_some_chapters_have_charts():
     assert len(CHART_PAGES) >= 5, f"expected interactive figures in most chapters, found them in {CHART_PAGES}"
 
 
-def _render_logged(page: Path, profile: Path, browser: str, dark: bool) -> tuple[str, list[str]]:
-    "The page's DOM after its scripts ran, and the messages its JavaScript logged (light or dark mode)."
-    flags = [*CHROME_FLAGS, "--enable-logging=stderr", "--v=0", *(["--force-dark-mode"] if dark else [])]
-    result = subprocess.run([browser, *flags, f"--user-data-dir={profile}", page.as_uri()],
-                            capture_output=True, text=True, timeout=120)
-    assert "<body" in result.stdout, f"the browser returned no page for {page}:\n{result.stderr[-2000:]}"
-    console = [line.split("] ", 1)[-1] for line in result.stderr.splitlines() if ":CONSOLE" in line]
-    return result.stdout, console
+# What a page has finished doing once its scripts ran: the document loaded, every chart drawn (an
+# svg or canvas in its container), every formula typeset by MathJax.
+SETTLED = """(() => document.readyState === "complete"
+  && [...document.querySelectorAll('div[id^="vis-"].book-chart')].every(c => c.querySelector("svg, canvas"))
+  && document.querySelectorAll("mjx-container").length >= document.querySelectorAll(".math").length)()"""
+
+
+def _messages(events: list[dict]) -> list[str]:
+    "What a page said on its console, raised uncaught, or failed to load (DevTools events)."
+    out = []
+    for e in events:
+        p = e.get("params", {})
+        if e["method"] == "Runtime.exceptionThrown":
+            d = p["exceptionDetails"]
+            out.append(f"Uncaught {d.get('exception', {}).get('description') or d.get('text')}")
+        elif e["method"] == "Runtime.consoleAPICalled":
+            out.append(" ".join(str(a.get("value", a.get("description", ""))) for a in p["args"]))
+        elif e["method"] == "Log.entryAdded":
+            out.append(f"{p['entry']['text']} {p['entry'].get('url', '')}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def chromes(browser, tmp_path_factory):
+    """One headless Chromium per theme mode, kept open for every page of this file (tests/web_browser.py's
+    DevTools driver; the dark one runs with --force-dark-mode): {mode: Chrome}, started on first use.
+    One browser opening 42 pages, where a browser a page started 84."""
+    from web_browser import Chrome
+    started = {}
+
+    def get(mode: str):
+        if mode not in started:
+            started[mode] = Chrome(browser, tmp_path_factory.mktemp(f"chrome-{mode}"),
+                                   ["--force-dark-mode"] if mode == "dark" else [])
+            started[mode].call("Log.enable")
+        return started[mode]
+    yield get
+    for chrome in started.values():
+        chrome.close()
+
+
+def _render_logged(chrome, page: Path, timeout: float = 30) -> tuple[str, list[str]]:
+    """The page's DOM once it settled (SETTLED, or `timeout` seconds: the asserts then say what did not
+    happen), and the messages its JavaScript logged or the browser logged for it."""
+    chrome.open("about:blank")
+    mark = len(chrome.events)
+    chrome.open(page.as_uri())
+    try:
+        chrome.wait_for(SETTLED, bool, timeout=timeout)
+    except TimeoutError:
+        pass
+    dom = chrome.evaluate("document.documentElement.outerHTML")
+    chrome.evaluate("1")                                  # the events that arrived meanwhile
+    return dom, _messages(chrome.events[mark:])
+
+
+def test_the_browser_check_sees_errors_failed_loads_and_unfinished_charts(chromes, tmp_path):
+    "The check below on a page that fails each way: it must see every failure (planted)."
+    page = tmp_path / "bad.html"
+    page.write_text('<html><body><script src="missing.js"></script>'
+                    '<script>console.error("Error: planted"); throw new Error("thrown on purpose")</script>'
+                    '<div id="vis-x" class="book-chart">no chart</div><script>1</script></body></html>')
+    dom, console = _render_logged(chromes("light"), page, timeout=2)
+    assert any("Uncaught" in m and "thrown on purpose" in m for m in console), console
+    assert any("Error: planted" in m for m in console), console
+    assert any("missing.js" in m for m in console), console
+    assert "<svg" not in dom and "no chart" in dom
 
 
 PAGES = ["book/index", *CHAPTERS, API_PAGE]
@@ -131,12 +190,12 @@ PAGES = ["book/index", *CHAPTERS, API_PAGE]
 
 @pytest.mark.parametrize("mode", ["light", "dark"])
 @pytest.mark.parametrize("page", PAGES)
-def test_every_page_in_a_browser(browser, built_book, page, mode, tmp_path):
+def test_every_page_in_a_browser(chromes, built_book, page, mode):
     """Every page, in the theme's light and dark mode, offline: no script that failed to load, no
     JavaScript error, every chart rendered, every formula typeset, every image there; in dark mode
     the charts sit on an opaque light card."""
     html_path = built_book / f"{page}.html"
-    dom, console = _render_logged(html_path, tmp_path, browser, dark=mode == "dark")
+    dom, console = _render_logged(chromes(mode), html_path)
     assert "Error loading script" not in dom
     errors = [m for m in console if "Uncaught" in m or "Error" in m or "Failed to load" in m]
     assert not errors, f"{page} ({mode}): JavaScript errors {errors}"
