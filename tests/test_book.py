@@ -186,14 +186,16 @@ def test_the_browser_check_sees_errors_failed_loads_and_unfinished_charts(chrome
 
 
 PAGES = ["book/index", *CHAPTERS, API_PAGE]
+# dark mode changes the theme's colours and puts each chart on a card: every page with a chart, and
+# the two pages without a notebook (the front page, the API page), also open in it
+DARK = ["book/index", *CHART_PAGES, API_PAGE]
 
 
-@pytest.mark.parametrize("mode", ["light", "dark"])
-@pytest.mark.parametrize("page", PAGES)
+@pytest.mark.parametrize(("page", "mode"), [(p, "light") for p in PAGES] + [(p, "dark") for p in DARK])
 def test_every_page_in_a_browser(chromes, built_book, page, mode):
-    """Every page, in the theme's light and dark mode, offline: no script that failed to load, no
-    JavaScript error, every chart rendered, every formula typeset, every image there; in dark mode
-    the charts sit on an opaque light card."""
+    """Every page, offline, in the theme's light mode, and the pages with charts in its dark mode too:
+    no script that failed to load, no JavaScript error, every chart rendered, every formula typeset,
+    every image there; in dark mode the theme switched and the charts sit on an opaque light card."""
     html_path = built_book / f"{page}.html"
     dom, console = _render_logged(chromes(mode), html_path)
     assert "Error loading script" not in dom
