@@ -61,8 +61,8 @@ FIXTURE_MARKS = {
 # fixtures are built once). FIRST: the longest start first, so that no long one is left for the
 # end; LAST: what reads a build another file makes once per run (`once_per_run`) goes last, when
 # that build is likely done, so that its worker does not wait for it.
-FIRST = ["test_book", "10_1_multi30k", "test_cli", "test_training", "e_2_loop", "09_decoding",
-         "08_training", "test_sweep", "test_decoding"]
+FIRST = ["test_book", "10_1_multi30k", "i_web", "test_cli", "test_training", "e_2_loop", "test_web_tokenizer",
+         "09_decoding", "test_cli_hostile", "08_training", "test_gpt", "test_sweep", "03_scaling", "f_devices"]
 LAST = ["test_api_page"]
 
 
