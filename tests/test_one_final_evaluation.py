@@ -84,3 +84,11 @@ def test_a_run_stopped_by_max_steps_evaluates_once_at_its_last_step(tmp_path, ev
     result, calls = evaluations(tmp_path, max_steps=max_steps)
     assert result.stopped == "max_steps" and result.step == max_steps
     assert calls == expected
+
+
+def test_a_run_that_ends_on_its_evaluation_keeps_its_last_step_as_a_snapshot(tmp_path, evaluations):
+    "Snapshots every 4 steps: the run that ends on step 10's evaluation also keeps step 10's weights, for averaging."
+    result, calls = evaluations(tmp_path, max_minutes=16 / 60, keep_checkpoints=3, snapshot_every=4)
+    assert result.step == 10 and calls == [10]
+    assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-0000004.pt", "step-0000008.pt",
+                                                                   "step-0000010.pt"]

@@ -322,6 +322,8 @@ class _Loop:
                         if not done and self.no_time_after_eval():
                             # the evaluation just made is the final one: no second a step later
                             done, stopped = True, "max_minutes"
+                            if c.keep_checkpoints and not snap:
+                                self.snapshot()         # the last snapshot is the last step
                     if evaluate or done:
                         self.save("last.pt")
                     if done:
