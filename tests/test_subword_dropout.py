@@ -81,9 +81,9 @@ def test_draws_are_the_same_in_another_process(tok, pairs, tmp_path):
     code = ("import hashlib, os; from transformer.data import load_multi30k; "
             "from transformer.tokens import Tokenizer; from transformer.engine.loop import SubwordDropout; "
             "pairs = load_multi30k('de', 'en', 'val', data_dir=os.environ['TRANSFORMER_DATA'], download=False); "
-            f"d = SubwordDropout(Tokenizer.load({str(tmp_path / 'tok.model')!r}), pairs, 0.2, seed=3); "
+            f"d = SubwordDropout(Tokenizer.load({str(tmp_path / 'tok.model')!r}), pairs[:200], 0.2, seed=3); "
             "print(hashlib.sha256(repr(d(4)).encode()).hexdigest())")
-    here = hashlib.sha256(repr(SubwordDropout(tok, pairs, 0.2, seed=3)(4)).encode()).hexdigest()
+    here = hashlib.sha256(repr(SubwordDropout(tok, pairs[:200], 0.2, seed=3)(4)).encode()).hexdigest()
     there = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert there == here
 
@@ -112,7 +112,7 @@ def small_model(tok):
 
 
 def quick(**kw):
-    return TrainConfig(**{**dict(batch_tokens=1200, max_steps=20, warmup=10, eval_every=10, log_every=1,
+    return TrainConfig(**{**dict(batch_tokens=1200, max_steps=12, warmup=6, eval_every=6, log_every=1,
                                  subword_dropout=0.1), **kw})
 
 
@@ -122,12 +122,12 @@ def test_the_loop_resumes_a_run_with_subword_dropout_exactly(tok, pairs, tmp_pat
     model_a = small_model(tok)
     a = train(model_a, data(), None, quick(), out_dir=tmp_path / "a", progress=False)
     assert a.epochs > 2                                   # the run crossed epochs, so it drew anew
-    train(small_model(tok), data(), None, quick(max_steps=7), out_dir=tmp_path / "b", progress=False)
+    train(small_model(tok), data(), None, quick(max_steps=5), out_dir=tmp_path / "b", progress=False)
     model_b = small_model(tok)
     b = train(model_b, data(), None, quick(), out_dir=tmp_path / "b", resume=True, progress=False)
     losses = lambda d: [json.loads(l)["loss"] for l in (d / "metrics.jsonl").read_text().splitlines()
                         if json.loads(l)["kind"] == "train"]
-    assert b.step == 20 and losses(tmp_path / "b") == losses(tmp_path / "a")
+    assert b.step == 12 and losses(tmp_path / "b") == losses(tmp_path / "a")
     for p, q in zip(model_a.state_dict().values(), model_b.state_dict().values(), strict=True):
         assert torch.equal(p, q)
     # the same run on fixed ids trains on other batches
