@@ -1,13 +1,12 @@
 """Chapter 19.1, gpt.py: the decoder-only translator built from the book's parts."""
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from transformer.__main__ import main
 from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
 from transformer.engine.fast import beam_search, greedy_search
 from transformer.engine.loop import train
@@ -15,9 +14,6 @@ from transformer.model import Transformer, TransformerConfig
 from transformer.modern.gpt import DecoderOnly, build_model, pack, sequence_mask
 from transformer.tokens import BOS, EOS, PAD, pad_batch
 from transformer.training import TrainConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -177,26 +173,31 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
     assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 18   # 20 seeds: 23 to 30; 200 steps: 9 to 13
 
 
+def cli(*argv):
+    "main(argv) in this process, as tests/test_cli.py runs it: (exit code, stdout, stderr)."
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in argv])
+    return code, out.getvalue(), err.getvalue()
+
+
 @pytest.mark.slow
-def test_train_command_with_arch_writes_a_run_that_translates(tmp_path):
-    data = os.environ.get("TRANSFORMER_DATA") or str(ROOT.parent / "shared" / "data")
+def test_train_command_with_arch_writes_a_run_that_translates(multi30k, tmp_path):
+    "In this process (`python -m transformer train` in a fresh one: tests/test_cli.py)."
     out = tmp_path / "run"
-    env = {**os.environ, "TRANSFORMER_DATA": data}
-    cmd = [sys.executable, "-m", "transformer", "train", "--preset", "tiny", "--arch",
-           "decoder-only", "--layers", "3", "--max-steps", "4", "--eval-every", "2",
-           "--eval-sentences", "6", "--vocab-size", "300", "--batch-tokens", "1500",
-           "--beam", "2", "--threads", "1", "--quiet", "--no-download", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert done.returncode == 0, done.stderr
+    code, _, err = cli("train", "--preset", "tiny", "--arch", "decoder-only", "--layers", "3",
+                       "--max-steps", "4", "--eval-every", "2", "--eval-sentences", "2",
+                       "--vocab-size", "300", "--batch-tokens", "1500", "--beam", "2", "--threads", "1",
+                       "--alpha", "0.6", "--eval-split", "val",        # one final scoring, not five
+                       "--quiet", "--no-download", "--out", out)
+    assert code == 0, err
     saved = json.loads((out / "config.json").read_text())["model"]
     assert saved["arch"] == "decoder-only" and saved["n_layers"] == 3
     assert isinstance(model_from_checkpoint(out / "best.pt"), DecoderOnly)
-    done = subprocess.run([sys.executable, "-m", "transformer", "translate", "--model", str(out),
-                           "Ein Hund."], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 0, done.stderr
-    done = subprocess.run([sys.executable, "-m", "transformer", "attend", "--model", str(out),
-                           "Ein Hund."], capture_output=True, text=True, env=env, timeout=120)
-    assert done.returncode == 1 and "decoder-only model" in done.stderr
+    code, stdout, err = cli("translate", "--model", out, "Ein Hund.")
+    assert code == 0 and len(stdout.splitlines()) == 1, err
+    code, stdout, err = cli("attend", "--model", out, "Ein Hund.")
+    assert code == 1 and stdout == "" and "decoder-only model" in err
 
 
 @pytest.mark.parametrize("arch", ["decoder-only", "prefix-lm"])
