@@ -567,33 +567,53 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _ddp_worker(rank, world_size, port, out_dir):
+def _ddp_plain(rank, out_dir):
+    "One of two processes: 6 steps of 800 tokens (400 each), the losses it logged saved."
+    torch.manual_seed(0)
+    model = Transformer(tiny_config())
+    result = train(model, copy_examples(300), copy_examples(20, seed=3),
+                   quick(max_steps=6, batch_tokens=800, eval_every=6), out_dir=out_dir, progress=False)
+    torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
+
+
+def _gloo_worker(rank, world_size, port, out_dir):
+    """Every DDP comparison of this file in one pair of gloo processes (one spawn, one process group,
+    one torch import each): the plain run, then the accumulating runs with and without a resume."""
     import torch.distributed as dist
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        torch.manual_seed(0)
-        model = Transformer(tiny_config())
-        result = train(model, copy_examples(300), copy_examples(20, seed=3),
-                       quick(max_steps=6, batch_tokens=800, eval_every=6), out_dir=out_dir, progress=False)
-        torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
+        _ddp_plain(rank, f"{out_dir}/plain")
+        for resume_at in RESUME_AT:
+            _ddp_accumulating(rank, f"{out_dir}/accumulate{resume_at}", resume_at)
     finally:
         dist.destroy_process_group()
 
 
+RESUME_AT = (0, 3)
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gloo")
+    for name in ["plain", *(f"accumulate{r}" for r in RESUME_AT)]:
+        (out / name).mkdir()
+    mp.spawn(_gloo_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    return out
+
+
 @pytest.mark.slow
-def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path):
+def test_two_gloo_processes_match_one_process_with_the_same_global_batch(gloo_runs, tmp_path):
     torch.manual_seed(0)
     single = Transformer(tiny_config())
     one = train(single, copy_examples(300), copy_examples(20, seed=3),
                 quick(max_steps=6, batch_tokens=800, eval_every=6, accum_steps=2), out_dir=tmp_path / "one",
                 progress=False)
-    (tmp_path / "two").mkdir()
-    mp.spawn(_ddp_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    two = gloo_runs / "plain"
     expected = [r["loss"] for r in one.history if r["kind"] == "train"]
     for rank in range(2):                                              # every process logged the global loss
-        assert torch.load(tmp_path / "two" / f"losses{rank}.pt") == pytest.approx(expected, rel=1e-5)
-    ddp = load_checkpoint(tmp_path / "two" / "last.pt")["model"]
+        assert torch.load(two / f"losses{rank}.pt") == pytest.approx(expected, rel=1e-5)
+    ddp = load_checkpoint(two / "last.pt")["model"]
     for k, v in single.state_dict().items():
         assert torch.allclose(ddp[k], v, atol=1e-5), k
 
@@ -831,43 +851,35 @@ def test_load_optimizer_state_keeps_this_devices_kernel():
     new.step()
 
 
-def _ddp_worker_accumulating(rank, world_size, port, out_dir, resume_at):
-    "Two processes, two accumulation pieces each (no_sync on the first); optionally stop and resume."
-    import torch.distributed as dist
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        cfg = dict(max_steps=6, batch_tokens=1600, eval_every=3, accum_steps=2)
-        torch.manual_seed(0)
-        if resume_at:
-            train(Transformer(tiny_config()), copy_examples(300), copy_examples(20, seed=3),
-                  quick(**{**cfg, "max_steps": resume_at}), out_dir=out_dir, progress=False)
-            torch.manual_seed(123)                                     # a fresh process: other weights
-        model = Transformer(tiny_config())
-        result = train(model, copy_examples(300), copy_examples(20, seed=3), quick(**cfg), out_dir=out_dir,
-                       resume=bool(resume_at), progress=False)
-        torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _ddp_accumulating(rank, out_dir, resume_at):
+    "One of two processes, two accumulation pieces each (no_sync on the first); optionally stop and resume."
+    cfg = dict(max_steps=6, batch_tokens=1600, eval_every=3, accum_steps=2)
+    torch.manual_seed(0)
+    if resume_at:
+        train(Transformer(tiny_config()), copy_examples(300), copy_examples(20, seed=3),
+              quick(**{**cfg, "max_steps": resume_at}), out_dir=out_dir, progress=False)
+        torch.manual_seed(123)                                         # as a fresh process: other weights
+    model = Transformer(tiny_config())
+    result = train(model, copy_examples(300), copy_examples(20, seed=3), quick(**cfg), out_dir=out_dir,
+                   resume=bool(resume_at), progress=False)
+    torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
 
 
-@pytest.mark.parametrize("resume_at", [0, 3])
+@pytest.mark.parametrize("resume_at", RESUME_AT)
 @pytest.mark.slow
-def test_gloo_ddp_with_accumulation_and_resume_matches_one_process(tmp_path, resume_at):
+def test_gloo_ddp_with_accumulation_and_resume_matches_one_process(gloo_runs, tmp_path, resume_at):
     "2 processes x 2 pieces = 1 process x 4 pieces; and the same after a stop and resume at step 3."
     torch.manual_seed(0)
     single = Transformer(tiny_config())
     one = train(single, copy_examples(300), copy_examples(20, seed=3),
                 quick(max_steps=6, batch_tokens=1600, eval_every=3, accum_steps=4), out_dir=tmp_path / "one",
                 progress=False)
-    (tmp_path / "two").mkdir()
-    mp.spawn(_ddp_worker_accumulating, args=(2, _free_port(), str(tmp_path / "two"), resume_at), nprocs=2,
-             join=True)
+    two = gloo_runs / f"accumulate{resume_at}"
     expected = [r["loss"] for r in one.history if r["kind"] == "train"]
     for rank in range(2):
-        got = torch.load(tmp_path / "two" / f"losses{rank}.pt")
+        got = torch.load(two / f"losses{rank}.pt")
         assert got == pytest.approx(expected[resume_at:], rel=1e-5)
-    ddp = load_checkpoint(tmp_path / "two" / "last.pt")
+    ddp = load_checkpoint(two / "last.pt")
     assert ddp["progress"]["step"] == 6
     for k, v in single.state_dict().items():
         if k.endswith("w_k.bias"):    # its exact gradient is 0 (softmax ignores a shift): Adam amplifies rounding
