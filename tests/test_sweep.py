@@ -20,7 +20,7 @@ from transformer.engine.trained import SweepError, Variant, collect, load, read_
 
 ROOT = Path(__file__).resolve().parents[1]
 # a one-layer tiny model, a few steps, a few sentences: each variant takes seconds on one thread
-BASE = ["--preset", "tiny", "--max-steps", "6", "--eval-every", "3", "--eval-sentences", "8", "--vocab-size", "300",
+BASE = ["--preset", "tiny", "--max-steps", "6", "--eval-every", "3", "--eval-sentences", "4", "--vocab-size", "300",
         "--batch-tokens", "600", "--beam", "1", "--no-download", "--d-model", "32", "--d-ff", "64", "--layers", "1"]
 BAD_SHAPE = ["--d-model", "100", "--heads", "3"]
 
@@ -275,7 +275,7 @@ def test_an_evaluate_variant_writes_results(swept):
     assert results == {**printed, "variant": "ev", "command": results["command"]}
 
 
-def test_second_call_skips_everything_and_failed_is_retried_on_request(swept, tmp_path):
+def test_second_call_skips_everything_and_failed_is_retried_on_request(swept, tmp_path, monkeypatch):
     path, out, *_ = swept
     logs = {name: (out / name / "log.txt").read_text() for name in ("a", "b", "bad", "ev")}
     done = {name: (out / name / "results.json").stat().st_mtime_ns for name in ("a", "b", "ev")}
@@ -284,13 +284,17 @@ def test_second_call_skips_everything_and_failed_is_retried_on_request(swept, tm
     assert stdout.splitlines() == [f"5 variants: 5 done before, 0 to run, 2 at a time; run directories in {out}"]
     assert {name: (out / name / "log.txt").read_text() for name in logs} == logs
     assert {name: (out / name / "results.json").stat().st_mtime_ns for name in done} == done
-    # --retry-failed runs the failed variant again (here it fails again: a second command in its log)
-    code, stdout, err = sweep(path, "--out", out, "--threads", 1, "--only", "bad", "--retry-failed")
-    assert code == 1 and "1 variants failed: bad" in err
+    # --retry-failed runs a failed variant again (here it fails again: a second command in its log), as a
+    # stand-in that fails at once (evaluate's own failure, in its own process, is the fixture's first run)
+    again = [sys.executable, "-c", "import sys; sys.exit('error: failed again')"]
+    _children(monkeypatch, {"ev-missing": again})
+    code, stdout, err = sweep(path, "--out", out, "--threads", 1, "--only", "ev-missing", "--retry-failed")
+    assert code == 1 and "1 variants failed: ev-missing" in err
     assert stdout.splitlines()[0].startswith("1 variants: 0 done before, 1 to run")
-    assert len(commands_in_log(out / "bad")) == 2
-    assert json.loads((out / "bad" / "failed.json").read_text())["returncode"] == 1
-    assert (out / "a" / "log.txt").read_text() == logs["a"]
+    assert commands_in_log(out / "ev-missing")[1:] == [shlex.join(again)]
+    failed = json.loads((out / "ev-missing" / "failed.json").read_text())
+    assert failed["returncode"] == 1 and failed["error"] == "error: failed again"   # the new run's outcome
+    assert {name: (out / name / "log.txt").read_text() for name in ("a", "bad")} == {"a": logs["a"], "bad": logs["bad"]}
 
 
 def test_results_copies_the_small_files_and_collect_reads_them(swept, tmp_path):
