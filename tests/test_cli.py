@@ -48,9 +48,10 @@ def assert_one_line_error(code, out, err, expected_code, match):
 pytestmark = pytest.mark.usefixtures("keep_threads")
 
 
-TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 16,
+# small on purpose: 800-token steps, 8 sentences scored (an untrained model writes to the length cap)
+TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 8,
          "--vocab-size", 1000, "--beam", 2, "--threads", 1, "--quiet", "--no-download", "--log-every", 4,
-         "--average", 3, "--snapshot-every", 6]
+         "--average", 3, "--snapshot-every", 6, "--batch-tokens", 800]
 
 
 @pytest.fixture(scope="module")
