@@ -229,7 +229,7 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
-    ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench,sweep}"),
+    ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench,sweep,prepare}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),
     ("same languages", ["train", "--src", "de", "--tgt", "de"], 1, "both 'de'"),
@@ -342,9 +342,29 @@ def test_bad_input_is_one_line_and_nonzero(tmp_path, monkeypatch, what, argv, co
     assert sorted(str(p) for p in tmp_path.rglob("*")) == before, "a refused command left files behind"
 
 
-@pytest.mark.parametrize("command", ["bench", "sweep"])
+def test_help_lists_every_command(capsys, monkeypatch):
+    "Issue 42: `python -m transformer --help` names every command `main` runs (prepare was missing), each with its help."
+    import argparse
+
+    from transformer.__main__ import OWN_PARSERS, commands
+    from transformer.cli.commands import build_parser
+    monkeypatch.setenv("COLUMNS", "200")   # one line a command
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    registered = [*commands(), *OWN_PARSERS]
+    assert "prepare" in registered
+    listed = dict(line.split(None, 1) for line in out.splitlines()
+                  if line.startswith("    ") and not line.startswith("     ") and len(line.split(None, 1)) == 2)
+    for name in registered:
+        assert len(listed.get(name, "").split()) >= 3, (name, out)   # listed, with a description
+    # and the parser knows no command that main does not run
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    assert sorted(sub.choices) == sorted(registered)
+
+
+@pytest.mark.parametrize("command", ["bench", "sweep", "prepare"])
 def test_run_command_sends_bench_and_sweep_to_the_entry_point(capsys, command):
-    "cli.commands may not import bench or sweep (later sections): run_command names where they run."
+    "cli.commands may not import bench, sweep or prepare (later sections): run_command names where they run."
     from transformer.cli.commands import run_command
     assert run_command([command], {}) == 1
     assert capsys.readouterr().err == (f"error: {command} runs through the package entry point: "

@@ -13,14 +13,24 @@ from transformer.cli import train, use
 from transformer.cli.commands import report, run_command
 
 
+# the commands with parsers of their own, handed over before `run_command` parses the line
+OWN_PARSERS = ("bench", "sweep", "prepare")
+
+
+def commands() -> dict:
+    """The commands `run_command` parses and runs: name -> function. Looked up at each call,
+    so that a test may replace one. With `OWN_PARSERS`, every command `main` runs: the
+    parser lists each in `python -m transformer --help` (tests/test_cli.py checks)."""
+    return {"train": train.cmd_train, "translate": use.cmd_translate,
+            "evaluate": use.cmd_evaluate, "export": use.cmd_export,
+            "plot": use.cmd_plot, "attend": use.cmd_attend}
+
+
 def main(argv: list[str] | None = None) -> int:
     "Run `python -m transformer <command> ...`; returns the exit code."
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] not in (["bench"], ["sweep"], ["prepare"]):
-        # looked up at each call, so that a test may replace a command
-        return run_command(argv, {"train": train.cmd_train, "translate": use.cmd_translate,
-                                  "evaluate": use.cmd_evaluate, "export": use.cmd_export,
-                                  "plot": use.cmd_plot, "attend": use.cmd_attend})
+    if not argv or argv[0] not in OWN_PARSERS:
+        return run_command(argv, commands())
     try:
         if argv[0] == "bench":
             from transformer.cli.bench import main as command

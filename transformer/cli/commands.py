@@ -86,16 +86,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="python -m transformer",
                      description="Train, use and score the Transformer of "
                                  "'Attention Is All You Need'.")
-    sub = parser.add_subparsers(
-        dest="command", required=True,
-        metavar="{train,translate,evaluate,export,plot,attend,bench,sweep}")
+    sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _inference_parsers(sub)
     _export_parser(sub)
     _add_figure_commands(sub)       # plot, attend
-    # `bench` lives in appendix D (transformer.cli.bench), which this module may not
-    # import; `python -m transformer` hands it over before this parser runs. Listed
-    # here so that --help names every command.
+    # `bench` (appendix D), `sweep` (C.3) and `prepare` (A.1, transformer.engine.corpus)
+    # have parsers of their own, in modules this one may not import; `python -m
+    # transformer` hands them over before this parser runs. Listed here so that --help
+    # names every command.
     sub.add_parser("bench",
                        help="time a training step and greedy decoding against "
                             "torch.nn.Transformer (appendix D; python -m "
@@ -103,6 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("sweep",
                        help="train a committed list of variants, resumably (appendix "
                             "C.3; python -m transformer sweep --help)", add_help=False)
+    sub.add_parser("prepare",
+                       help="tokenize a parallel corpus once into shards that train "
+                            "--data streams (appendix A.1; python -m transformer "
+                            "prepare --help)", add_help=False)
+    # named from the commands added above, so that --help and the error of a missing
+    # command list every one of them
+    sub.metavar = "{" + ",".join(sub.choices) + "}"
     return parser
 
 
@@ -451,7 +457,7 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
-        if args.command not in commands:   # bench, sweep: main hands them over first
+        if args.command not in commands:   # bench, sweep, prepare: main hands them over
             _not_here(args.command)
         return commands[args.command](args)
     except SystemExit as e:  # --help
