@@ -60,6 +60,24 @@ def test_the_top_level_names_are_listed_and_link_to_their_documentation(api_html
                 f"transformer.{name}: the list does not link to its entry"
 
 
+MAIN_LINE = ["data", "tokens", "attention", "heads", "positions", "blocks", "masking", "model", "training",
+             "decoding", "evaluation"]
+
+
+@pytest.mark.parametrize("module", MAIN_LINE)
+def test_import_transformer_gives_each_main_line_module_s_names(module):
+    """Issue 42: transformer/__init__.py exports what each chapter builds (it had nothing from chapters 9 and
+    10), the module's own objects, and g_api.rst's list of them names the module."""
+    import importlib
+
+    import transformer
+
+    mod = importlib.import_module(f"transformer.{module}")
+    given = [n for n in mod.__all__ if getattr(transformer, n, None) is getattr(mod, n)]
+    assert given, f"import transformer gives no name of transformer.{module}"
+    assert f"- ``transformer.{module}``: " in PAGE.read_text(), f"g_api.rst does not list transformer.{module}"
+
+
 @pytest.mark.parametrize("name", [
     "transformer.load",                                       # the intro's own entry
     "transformer.engine.trained.load",
