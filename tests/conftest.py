@@ -51,7 +51,7 @@ FIXTURE_MARKS = {
     "browser": ("browser", "slow"),                 # pages opened in headless Chrome
     "trained": ("slow",), "shaped": ("slow",),      # tests/test_cli.py: `train` runs
     "swept": ("slow",),                             # tests/test_sweep.py: a real sweep
-    "copier": ("slow",),                            # tests/test_decoding.py: a model trained to copy
+    "copier": ("slow",), "copier_run": ("slow",),   # a model trained to copy (below)
     "alone": ("slow",),                             # tests/test_cli_hostile.py: the shipped model translates
 }
 
@@ -121,3 +121,32 @@ def built_book(tmp_path_factory) -> Path:
         assert result.returncode == 0, ("book build failed (warnings are errors):\n" + result.stdout[-6000:]
                                         + result.stderr[-3000:])
     return once_per_run(tmp_path_factory, "book", build) / "_build" / "html"
+
+
+@pytest.fixture(scope="session")
+def copier_run(tmp_path_factory) -> Path:
+    """A tiny model trained to copy its input (400 steps on one thread), once per run for every worker
+    that asks: its run directory, best.pt by validation loss, with history.json (the loop's records)
+    and result.json. tests/test_decoding.py decodes with it, tests/test_training.py checks that it
+    learned: one training where each file trained its own."""
+    def build(out):
+        from test_decoding import copy_examples
+
+        from transformer.engine.loop import train
+        from transformer.model import Transformer, TransformerConfig
+        from transformer.training import TrainConfig
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(0)
+            model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
+                                                  n_layers=2, dropout=0.0, max_len=64, norm_first=True))
+            result = train(model, copy_examples(3000, seed=1), copy_examples(100, seed=2),
+                           TrainConfig(batch_tokens=1024, max_steps=400, warmup=50, lr_scale=0.2, eval_every=50,
+                                       label_smoothing=0.0), out_dir=out, progress=False)
+        finally:
+            torch.set_num_threads(threads)
+        (out / "history.json").write_text(json.dumps(result.history))
+        (out / "result.json").write_text(json.dumps({k: getattr(result, k) for k in
+                                                     ("stopped", "step", "tokens", "tokens_per_second")}))
+    return once_per_run(tmp_path_factory, "copier", build)

@@ -9,10 +9,8 @@ from transformer.decoding import greedy_search as plain_greedy_search
 from transformer.decoding import length_penalty
 from transformer.engine.checkpoints import model_from_checkpoint
 from transformer.engine.fast import beam_search, greedy_search, translate
-from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
-from transformer.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -27,17 +25,9 @@ def copy_examples(n, seed, vocab=16, lo=3, hi=6):
 
 
 @pytest.fixture(scope="module")
-def copier(tmp_path_factory):
-    "A tiny model trained to copy its input; best.pt by validation loss (a few hundred steps on CPU)."
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("copier")
-    model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4, n_layers=2,
-                                          dropout=0.0, max_len=64, norm_first=True))
-    train(model, copy_examples(3000, seed=1), copy_examples(100, seed=2),
-          TrainConfig(batch_tokens=1024, max_steps=400, warmup=50, lr_scale=0.2, eval_every=50,
-                      label_smoothing=0.0), out_dir=out, progress=False)
-    return model_from_checkpoint(out / "best.pt")
+def copier(copier_run):
+    "A tiny model trained to copy its input (tests/conftest.py's copier_run): best.pt by validation loss."
+    return model_from_checkpoint(copier_run / "best.pt")
 
 
 @pytest.fixture(scope="module")

@@ -252,19 +252,15 @@ def test_train_config_presets():
 
 # --- the loop ---------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_tiny_model_learns_to_copy():
-    torch.manual_seed(0)
-    model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4, n_layers=2,
-                                          dropout=0.0, max_len=64, norm_first=True))
-    task, held_out = copy_examples(3000, seed=1), copy_examples(100, seed=2)
-    result = train(model, task, held_out, TrainConfig(batch_tokens=512, max_steps=300, warmup=50, lr_scale=0.3,
-                                                      eval_every=50, label_smoothing=0.0), progress=False)
-    evals = [r["val_nll"] for r in result.history if r["kind"] == "eval"]
-    # from guessing to copying; over 30 seeds evals[0] was 1.49 to 2.47 and min(evals[-2:]) 0.007 to 0.073
+def test_tiny_model_learns_to_copy(copier_run):
+    "The shared copy run (tests/conftest.py's copier_run, which tests/test_decoding.py decodes with) learned."
+    history = json.loads((copier_run / "history.json").read_text())
+    result = json.loads((copier_run / "result.json").read_text())
+    evals = [r["val_nll"] for r in history if r["kind"] == "eval"]
+    # from guessing to copying; over seeds 0-5 (one thread) evals[0] was 1.37-1.59, min(evals[-2:]) 0.001-0.012
     assert evals[0] > 1.0 and min(evals[-2:]) < 0.2, evals
-    assert result.stopped == "max_steps" and result.step == 300 and result.tokens > 0
-    assert result.tokens_per_second > 0 and len(result.history) > 0
+    assert result["stopped"] == "max_steps" and result["step"] == 400 and result["tokens"] > 0
+    assert result["tokens_per_second"] > 0 and len(history) > 0
 
 
 def run_steps(out_dir, max_steps, resume=False, dropout=0.1):
