@@ -3,6 +3,7 @@ token budget per batch, not the input), with a progress bar on a terminal and wh
 `TrainedModel.translate` refuses bad items in one TypeError; input files that are not text, or that end lines with a
 lone CR, get a clear answer."""
 import contextlib
+import inspect
 import io
 import json
 import os
@@ -69,7 +70,7 @@ def test_translate_writes_each_chunk_before_reading_the_rest(shipped, chunk_of_t
     monkeypatch.setattr(sys, "stdin", SimpleNamespace(buffer=io.BufferedReader(trickle, 1)))
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
         assert main(["translate", "--model", str(MODEL), "--beam", "1"]) == 0
-    assert out.getvalue().splitlines() == shipped.translate(SENTENCES, beam=1)   # in input order
+    assert out.getvalue().splitlines() == shipped.translate(SENTENCES, beam_size=1)   # in input order
     assert seen[0] <= 3 < len(SENTENCES), seen
 
 
@@ -102,16 +103,45 @@ def test_trained_model_translate_names_a_bad_item(shipped):
                        (["Hallo.", 1], r"sentences\[1\] is a int, not a str"),
                        ({"Hallo.": 1}, "not a dict")):
         with pytest.raises(TypeError, match=match):
-            shipped.translate(bad, beam=1)
+            shipped.translate(bad, beam_size=1)
+
+
+def test_one_name_for_the_beam_in_the_python_api():
+    """Issue 42: `TrainedModel.translate(beam=4)` beside `translate(beam_size=1)` and `evaluate(beam_size=1)`: every
+    function of the package names its beam `beam_size` (the command line's flag stays --beam); `beam` lives on only
+    as `TrainedModel.translate`'s keyword-only alias."""
+    import ast
+    root = MODEL.parents[1] / "transformer"
+    found, sizes = [], 0
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                sizes += any(x.arg == "beam_size" for x in a.posonlyargs + a.args + a.kwonlyargs)
+                found += [f"{path.relative_to(root)}:{node.lineno} {node.name}({x.arg})"
+                          for x in a.posonlyargs + a.args if "beam" in x.arg and x.arg != "beam_size"]
+                found += [f"{path.relative_to(root)}:{node.lineno} {node.name}(*, {x.arg})" for x in a.kwonlyargs
+                          if "beam" in x.arg and x.arg != "beam_size"]
+    assert sizes >= 6, sizes      # beam_search, translate, evaluate, bleu_callback, translate_chunks, .translate, ...
+    assert found == ["engine/trained.py:" + str(trained_mod.TrainedModel.translate.__code__.co_firstlineno)
+                     + " translate(*, beam)"], found
+
+
+def test_trained_model_translate_keeps_beam_as_an_alias(shipped):
+    "The old keyword still works, with a DeprecationWarning that names the new one, and gives what beam_size gives."
+    with pytest.warns(DeprecationWarning, match=r"translate\(beam_size=\.\.\.\)"):
+        old = shipped.translate(SENTENCES[0], beam=1)
+    assert old == shipped.translate(SENTENCES[0], beam_size=1) != ""
+    assert inspect.signature(shipped.translate).parameters["beam_size"].default == 4   # the paper's, as --beam
 
 
 @pytest.mark.slow
 def test_trained_model_translate_shows_progress_for_long_lists(shipped, chunk_of_two, capsys):
     "Old: 10,000 sentences showed nothing. Now a bar on stderr for lists longer than a chunk; none for short ones."
-    out = shipped.translate(SENTENCES[:3], beam=1, batch_tokens=500)
-    assert out == [shipped.translate(s, beam=1) for s in SENTENCES[:3]]
+    out = shipped.translate(SENTENCES[:3], beam_size=1, batch_tokens=500)
+    assert out == [shipped.translate(s, beam_size=1) for s in SENTENCES[:3]]
     assert "3/3" in capsys.readouterr().err
-    shipped.translate(SENTENCES[:2], beam=1)
+    shipped.translate(SENTENCES[:2], beam_size=1)
     assert capsys.readouterr().err == ""
 
 

@@ -347,7 +347,8 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
                 alpha: float = 0.6, extra_len: int = 50,
                 cache: bool = True) -> list[list[int]]:
     ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
-     "B lists of output ids.")
+     "B lists of output ids. `beam_size` beams (default 4, the paper's), length "
+     "penalty `alpha` (default 0.6).")
     if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
     if not alpha >= 0:
@@ -424,7 +425,9 @@ def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
               beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
               batch_size: int = 64) -> list[str]:
-    "Raw source texts -> raw target texts. `beam_size=1` is greedy search; the paper used 4."
+    """Raw source texts -> raw target texts. `beam_size` (default 1: greedy search; the
+    paper used 4, the default of `TrainedModel.translate` and the command line's
+    `--beam`), length penalty `alpha` (default 0.6)."""
     ids = _source_ids(model, tokenizer, texts, batch_size)   # checked, within max_len
     return _translate_ids(model, tokenizer, ids, beam_size, alpha, extra_len, batch_size)
 
@@ -453,7 +456,8 @@ def _translate_ids(model: Transformer, tokenizer: Tokenizer, ids: list[list[int]
 def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
              beam_size: int = 1, alpha: float = 0.6, batch_size: int = 64) -> dict:
     """Translate the sources of `(source, reference)` pairs and score them (chapter 10's
-    `score`): bleu, bleu_lc_tok, chrf, signatures."""
+    `score`): bleu, bleu_lc_tok, chrf, signatures. `beam_size` (default 1: greedy
+    search, as `translate`), length penalty `alpha` (default 0.6)."""
     pairs = list(pairs)
     if not pairs:
         raise ValueError("no (source, reference) pairs to evaluate")
@@ -495,7 +499,8 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
     """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
     chrf on `pairs`. With several processes (DDP) each translates a share, and every
     process scores them all (appendix F): none waits for another to translate. The
-    sources are tokenized and checked once, at the first evaluation, not at every one."""
+    sources are tokenized and checked once, at the first evaluation, not at every one.
+    `beam_size` (default 1: greedy, as `translate`), length penalty `alpha` (default 0.6)."""
     pairs = list(pairs)
     sources: list[list[int]] = []        # the sources' ids, once made
 

@@ -162,7 +162,7 @@ def sentence_list(sentences) -> list[str]:
 
 
 def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterable[str],
-                     beam: int = 4, alpha: float = 0.6, batch_tokens: int = BATCH_TOKENS,
+                     beam_size: int = 4, alpha: float = 0.6, batch_tokens: int = BATCH_TOKENS,
                      bar: tqdm | None = None, decode: Callable = translate
                      ) -> Iterator[list[str]]:
     """Translate an iterable of any length, one chunk (`CHUNK` sentences, at most
@@ -170,8 +170,10 @@ def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterab
     order, a blank sentence as "". Within a chunk the sentences are sorted by length
     and decoded in batches of at most `batch_tokens` positions (beams x (source +
     output capacity), the KV caches' size), so memory follows the budget, not the
-    input. `decode` translates one batch (chapter 9's `translate`, which cuts an
-    over-long source to max_len with a warning); `bar` counts sentences."""
+    input. The search: `beam_size` beams (default 4, the paper's; 1: greedy), length
+    penalty `alpha` (default 0.6). `decode` translates one batch (chapter 9's
+    `translate`, which cuts an over-long source to max_len with a warning); `bar`
+    counts sentences."""
     if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
         raise ValueError(f"batch_tokens={batch_tokens!r} must be an int >= 1")
     max_len, it = model.config.max_len, iter(sentences)
@@ -183,12 +185,12 @@ def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterab
         todo.sort(key=n.get)
         while todo:
             size = 1      # the longest sentence sets every row's length
-            while size < len(todo) and (size + 1) * beam * _positions(
+            while size < len(todo) and (size + 1) * beam_size * _positions(
                     n[todo[size]], max_len) <= batch_tokens:
                 size += 1
             batch, todo = sorted(todo[:size]), todo[size:]
             for i, text in zip(batch, decode(model, tokenizer, [chunk[i] for i in batch],
-                                             beam_size=beam, alpha=alpha,
+                                             beam_size=beam_size, alpha=alpha,
                                              batch_size=len(batch))):
                 out[i] = text
             if bar is not None:
@@ -222,21 +224,27 @@ class TrainedModel:
     alpha: float     # the length penalty the run chose on val (0.6 if it chose none)
     path: Path       # the checkpoint file the weights came from
 
-    def translate(self, sentences: str | list[str], beam: int = 4,
+    def translate(self, sentences: str | list[str], beam_size: int = 4,
                   alpha: float | None = None, batch_tokens: int = BATCH_TOKENS,
-                  progress: bool | None = None) -> str | list[str]:
-        """Translate a sentence, or a list of them: beam search with `beam` beams (1:
-        greedy) and the length penalty `alpha` (default: the run's), in batches of at
-        most `batch_tokens` positions (`translate_chunks`). A blank sentence
-        translates to an empty string. `progress`: a bar on stderr (default: for
-        lists of more than `CHUNK` sentences)."""
+                  progress: bool | None = None, *, beam: int | None = None
+                  ) -> str | list[str]:
+        """Translate a sentence, or a list of them: beam search with `beam_size` beams
+        (default 4, the paper's; 1: greedy) and the length penalty `alpha` (default:
+        the run's), in batches of at most `batch_tokens` positions (`translate_chunks`).
+        A blank sentence translates to an empty string. `progress`: a bar on stderr
+        (default: for lists of more than `CHUNK` sentences). `beam`: the old name of
+        `beam_size`, kept as an alias (a `DeprecationWarning`)."""
+        if beam is not None:
+            warnings.warn("translate(beam=...) is now translate(beam_size=...), the name "
+                          "of every search", DeprecationWarning, stacklevel=2)
+            beam_size = beam
         one = isinstance(sentences, str)
         texts = [sentences] if one else sentence_list(sentences)
         show = len(texts) > CHUNK if progress is None else progress
         with tqdm(total=len(texts), unit="sentence", disable=not show, file=sys.stderr,
                   dynamic_ncols=True) as bar:
             out = [t for chunk in translate_chunks(
-                self.model, self.tokenizer, texts, beam,
+                self.model, self.tokenizer, texts, beam_size,
                 self.alpha if alpha is None else alpha, batch_tokens, bar) for t in chunk]
         return out[0] if one else out
 
