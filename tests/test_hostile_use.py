@@ -135,6 +135,15 @@ def test_trained_model_translate_keeps_beam_as_an_alias(shipped):
     assert inspect.signature(shipped.translate).parameters["beam_size"].default == 4   # the paper's, as --beam
 
 
+def test_trained_model_config_is_the_run_s_dict_beside_the_model_s_dataclass(shipped):
+    "Issue 42: what TrainedModel's docstring says of its two configs (the types stay: only the text changed)."
+    from transformer.model import TransformerConfig
+    assert isinstance(shipped.config, dict) and isinstance(shipped.model.config, TransformerConfig)
+    assert set(shipped.config) >= {"model", "train", "data"}
+    assert TransformerConfig.from_dict(shipped.config["model"]) == shipped.model.config
+    assert "model.config" in trained_mod.TrainedModel.__doc__
+
+
 @pytest.mark.slow
 def test_trained_model_translate_shows_progress_for_long_lists(shipped, chunk_of_two, capsys):
     "Old: 10,000 sentences showed nothing. Now a bar on stderr for lists longer than a chunk; none for short ones."

@@ -217,10 +217,17 @@ def _positions(n: int, max_len: int, extra_len: int = 50) -> int:
 
 @dataclass
 class TrainedModel:
-    "A trained model with its tokenizer, ready to translate (what `load` returns)."
+    """A trained model with its tokenizer, ready to translate (what `load` returns).
+
+    Two configs, on purpose: `config` is the run's config.json as a plain dict, how
+    the run was trained as `train` wrote it (`model`, `train`, `data`, `preset`,
+    `seed`; `{}` where the directory holds no config.json), while `model.config` is
+    the `TransformerConfig` dataclass the weights were built from, read from the
+    checkpoint itself: the one to trust for the model's sizes. For a run of `train`,
+    `TransformerConfig.from_dict(config["model"]) == model.config`."""
     model: Transformer
     tokenizer: Tokenizer
-    config: dict     # the run's config.json: model, training and data settings
+    config: dict     # the run's config.json (a dict); the model's sizes: model.config
     alpha: float     # the length penalty the run chose on val (0.6 if it chose none)
     path: Path       # the checkpoint file the weights came from
 
