@@ -257,9 +257,10 @@ def recording_attention(modules: Sequence[torch.nn.Module]):
 @torch.no_grad()
 def attention_weights(model: Transformer, tokenizer: Tokenizer, sentence: str,
                       beam_size: int = 1, alpha: float = 0.6) -> AttentionWeights:
-    """Translate `sentence` (greedy search; beam search when `beam_size` > 1), then
-    feed the source and that translation through the model once, teacher-forced, and
-    keep every `MultiHeadAttention`'s weights (`recording_attention`)."""
+    """Translate `sentence` (`beam_size` default 1: greedy search; beam search when
+    `beam_size` > 1, length penalty `alpha`, default 0.6), then feed the source and
+    that translation through the model once, teacher-forced, and keep every
+    `MultiHeadAttention`'s weights (`recording_attention`)."""
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence={sentence!r}: pass a sentence to translate")
     ids = tokenizer.encode(sentence.strip(), eos=True)
