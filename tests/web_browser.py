@@ -124,6 +124,7 @@ class Chrome:
         while not any(e["method"] == "Page.loadEventFired" for e in self.events[start:]):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} did not load in {timeout} s")
+            time.sleep(0.02)
             self.evaluate("1")  # reads the events that arrived meanwhile
 
     def wait_for(self, expression: str, done, timeout: float = 120, every: float = 0.05):
