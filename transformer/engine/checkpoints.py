@@ -9,6 +9,7 @@ import json
 import os
 import tempfile
 import textwrap
+import threading
 import warnings
 import zipfile
 from dataclasses import asdict
@@ -22,9 +23,10 @@ from ..model import Transformer, TransformerConfig
 from ..training import TrainConfig
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'load_checkpoint',
-           'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'TrainingError', 'read_metrics',
-           'truncate_metrics', 'check_resumable', 'load_optimizer_state']
+__all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'checkpoint_state',
+           'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'host_copy',
+           'CheckpointWriter', 'TrainingError', 'read_metrics', 'truncate_metrics', 'check_resumable',
+           'load_optimizer_state']
 
 # %% ../../book/e_checkpoints.ipynb #e004
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
@@ -113,7 +115,15 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer,
     """Write model weights + config (+ optimizer, training config, progress) to `path`,
     atomically. `run` records facts about the files of the run the checkpoint belongs to
     (e.g. the tokenizer's sha256)."""
-    path = Path(path)
+    return write_checkpoint(path, checkpoint_state(model, optimizer, train_config,
+                                                   progress, run))
+
+
+def checkpoint_state(model: Transformer, optimizer: torch.optim.Optimizer | None = None,
+                     train_config: TrainConfig | None = None, progress: dict | None = None,
+                     run: dict | None = None) -> dict:
+    """The dict `save_checkpoint` writes. Its tensors are the model's and the optimizer's
+    own, not copies: `host_copy` makes the copy a background write needs."""
     model = _unwrapped(model)
     state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
              "model": _plain_state(model)}
@@ -125,6 +135,12 @@ def save_checkpoint(path: str | os.PathLike, model: Transformer,
         state["progress"] = dict(progress)
     if run:
         state["run"] = dict(run)
+    return state
+
+
+def write_checkpoint(path: str | os.PathLike, state: dict) -> Path:
+    "`torch.save(state)` to `path`, atomically (`atomic_write`)."
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     return atomic_write(path, lambda f: torch.save(state, f))
 
@@ -268,6 +284,77 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                               "build: "
                               f"{_shorten(' '.join(str(e).split()))}") from None
     return model.to(device).eval()
+
+# %% ../../book/e_checkpoints.ipynb #e005b
+def host_copy(state):
+    """`state` (dicts and lists of tensors and plain values) with every tensor copied to
+    host memory: a snapshot the next training step cannot change. Returns `(copy, event)`.
+    From a GPU the copies go to pinned memory without waiting; they are done when `event`
+    is (None: every tensor was on the CPU, copied at once). Views of one tensor (tied
+    embeddings) stay one tensor."""
+    copies, event = {}, None
+
+    def copy(x):
+        nonlocal event
+        if isinstance(x, dict):
+            return {k: copy(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(copy(v) for v in x)
+        if not torch.is_tensor(x):
+            return x
+        key = (x.data_ptr(), x.dtype, x.shape, x.stride())
+        if key not in copies:
+            if x.device.type == "cuda":
+                event = event or torch.cuda.Event()
+                copies[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+                copies[key].copy_(x.detach(), non_blocking=True)
+            else:
+                copies[key] = x.detach().clone()
+        return copies[key]
+
+    state = copy(state)
+    if event is not None:
+        event.record()   # behind the copies, on the stream that runs the training step
+    return state, event
+
+
+class CheckpointWriter:
+    """Checkpoints written by one background thread, one at a time. `save` takes the
+    snapshot on the caller's thread and leaves serializing, `fsync` and rename to the
+    thread; it first waits for the write before it and raises that write's error.
+    `wait()` waits for the last write and raises its error (a `SaveError`)."""
+
+    def __init__(self):
+        self._thread, self._error = None, None
+
+    def save(self, path: str | os.PathLike, state: dict, then=None) -> None:
+        "Write `state` to `path` in the background; then call `then()` there, if given."
+        self.wait()
+        state, copied = host_copy(state)
+
+        def work():
+            try:
+                if copied is not None:
+                    copied.synchronize()          # the copies from the GPU have landed
+                write_checkpoint(path, state)
+                if then is not None:
+                    then()
+            except BaseException as e:            # raised on the training thread
+                self._error = e
+
+        self._thread = threading.Thread(target=work, name="checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def wait(self, raising: bool = True) -> None:
+        """Block until the write in flight has ended; raise its error if it failed (and
+        `raising`: not while another error is on its way up)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None and raising:
+            raise error
 
 # %% ../../book/e_checkpoints.ipynb #e007
 # the lock is appendix A.1's, where `prepare` takes it too (it writes a directory first)

@@ -21,9 +21,11 @@ from tqdm import tqdm
 from transformer.engine.checkpoints import (  # appendix E
     CHECKPOINT_FORMAT,
     CheckpointError,
+    CheckpointWriter,
     RunDirectoryError,
     TrainingError,
     check_resumable,
+    checkpoint_state,
     load_checkpoint,
     load_optimizer_state,
     model_from_checkpoint,
@@ -227,6 +229,7 @@ class _Loop:
         self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
                    "eval_seconds": 0.0, "tokens": 0}
         self.best, self.saved_step, self.history = None, None, []
+        self.writer = CheckpointWriter()   # appendix E: checkpoints written in the background
         self.last_eval_seconds = 0.0                 # the latest evaluation's time
         self.step_seconds = 0.0                      # the latest step's time
         self.progress = progress and self.rank == 0
@@ -328,9 +331,13 @@ class _Loop:
                         self.save("last.pt")
                     if done:
                         break
+        except BaseException:
+            self.writer.wait(raising=False)   # the error that stopped the run wins
+            raise
         finally:
             batches.close()
             bar.close()
+        self.writer.wait()   # the last checkpoint is on the disk; a failed write raises
         at = self.at
         return TrainResult(step=at["step"], epoch=at["epoch"],
                            epochs=at["epoch"] + at["batch"] / count, stopped=stopped,
@@ -482,11 +489,13 @@ class _Loop:
         self.window_start = (self.window_start[0], self.window_start[1] + spent)
 
     def save(self, name: str) -> None:
-        "The whole state as `name` (`last.pt`, `best.pt`), written by process 0."
+        """The whole state as `name` (`last.pt`, `best.pt`), written by process 0 in the
+        background (appendix E's `CheckpointWriter`)."""
         self.at["seconds"] = self.clock()
         if self.out is not None and self.rank == 0:
-            save_checkpoint(self.out / name, self.model, self.optimizer, self.config,
-                            {**self.at, "best": self.best}, self.run_facts)
+            self.writer.save(self.out / name, checkpoint_state(
+                self.model, self.optimizer, self.config, {**self.at, "best": self.best},
+                self.run_facts))
         if name == "last.pt":
             self.saved_step = self.at["step"]
 
@@ -494,10 +503,13 @@ class _Loop:
         "The weights alone as `step-NNNNNNN.pt`, keeping the last `keep_checkpoints`."
         if self.out is None or self.rank != 0:
             return
-        save_checkpoint(self.out / f"step-{self.at['step']:07d}.pt", self.model,
-                        progress={"step": self.at["step"]}, run=self.run_facts)
-        for old in sorted(self.out.glob("step-*.pt"))[:-self.config.keep_checkpoints]:
-            old.unlink()
+
+        def keep_the_last():     # once the new one is on the disk
+            for old in sorted(self.out.glob("step-*.pt"))[:-self.config.keep_checkpoints]:
+                old.unlink()
+        self.writer.save(self.out / f"step-{self.at['step']:07d}.pt", checkpoint_state(
+            self.model, progress={"step": self.at["step"]}, run=self.run_facts),
+            then=keep_the_last)
 
     def log(self, record: dict) -> None:
         record = _round(record)
