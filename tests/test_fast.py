@@ -248,43 +248,55 @@ def test_speed_up_is_idempotent():
 
 # ---- the loss on the real positions, in one pass (chapter 8's loss, appendix D.2) ------------------------------
 
-def teaching(logits, target, eps):
-    return label_smoothed_nll(logits, target, eps, pad_id=-100)                  # no padding among the targets
+def teaching(hidden, generator, target, eps):
+    return label_smoothed_nll(generator(hidden), target, eps, pad_id=-100)       # no padding among the targets
+
+
+def loss_and_grads(fn, hidden, generator, target, eps=0.1):
+    "Loss, NLL, and the gradients of 0.37 * loss for the hidden states and the generator's weights."
+    hidden = hidden.detach().clone().requires_grad_(True)
+    generator.zero_grad()
+    loss, nll = fn(hidden, generator, target, eps)
+    (0.37 * loss).backward()
+    return [loss.detach(), nll.detach(), hidden.grad, *(p.grad.clone() for p in generator.parameters())]
 
 
 @pytest.mark.parametrize("n,V", [(1, 5), (7, 300), (1100, 2000)])      # one block, one block, several blocks
 @pytest.mark.parametrize("eps", [0.0, 0.1, 0.3])
-def test_fused_loss_equals_chapter_8s(n, V, eps):
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_loss_equals_chapter_8s(n, V, eps, bias):
     g = torch.Generator().manual_seed(n + V)
-    logits = 3 * torch.randn(n, V, generator=g, dtype=F64)
+    generator = nn.Linear(16, V, bias=bias).double()
+    with torch.no_grad():
+        generator.weight.normal_(0, 1, generator=g)
+    hidden = torch.randn(n, 16, generator=g, dtype=F64)
     target = torch.randint(0, V, (n,), generator=g)
-    results = []
-    for fn in (teaching, fused_smoothed_cross_entropy):
-        leaf = logits.clone().requires_grad_(True)
-        loss, nll = fn(leaf, target, eps)
-        (0.37 * loss).backward()
-        results.append((loss.detach(), nll.detach(), leaf.grad))
-    for a, b in zip(*results):
-        assert torch.allclose(a, b, rtol=1e-11, atol=1e-14)
+    for a, b in zip(loss_and_grads(teaching, hidden, generator, target, eps),
+                    loss_and_grads(fused_smoothed_cross_entropy, hidden, generator, target, eps), strict=True):
+        assert torch.allclose(a, b, rtol=1e-11, atol=1e-13)
 
 
-def test_fused_loss_bf16_gradient_dtype_and_no_grad_fallback():
-    logits = torch.randn(50, 40).to(torch.bfloat16).requires_grad_(True)
-    target = torch.randint(0, 40, (50,))
-    loss, nll = fused_smoothed_cross_entropy(logits, target)
-    assert loss.dtype == nll.dtype == torch.float32 and not nll.requires_grad
-    loss.backward()
-    assert logits.grad.dtype == torch.bfloat16
+def test_fused_loss_under_bf16_autocast_and_no_grad_fallback():
+    "Under CPU bfloat16 autocast both compute the logits in bfloat16; the gradients agree within its rounding."
+    torch.manual_seed(0)
+    generator, hidden, target = nn.Linear(32, 40), torch.randn(50, 32), torch.randint(0, 40, (50,))
+    with torch.autocast("cpu", torch.bfloat16):
+        plain = loss_and_grads(teaching, hidden, generator, target)
+        fused = loss_and_grads(fused_smoothed_cross_entropy, hidden, generator, target)
+    assert fused[0].dtype == fused[1].dtype == torch.float32 and not fused[1].requires_grad
+    assert all(a.dtype == b.dtype for a, b in zip(plain, fused))       # float32 gradients, as autograd gives
+    assert torch.allclose(plain[0], fused[0], rtol=1e-5) and torch.allclose(plain[1], fused[1], rtol=1e-5)
+    for a, b in zip(plain[2:], fused[2:]):
+        assert (a - b).abs().max() <= 2 ** -7 * a.abs().max()          # one bfloat16 rounding
     with torch.no_grad():                                               # evaluation: chapter 8's code, same numbers
-        a = fused_smoothed_cross_entropy(logits, target)
-    b = teaching(logits.detach(), target, 0.1)
-    assert torch.allclose(a[0], b[0]) and torch.allclose(a[1], b[1])
-    assert torch.allclose(a[0], loss.detach(), rtol=1e-5)
+        a = fused_smoothed_cross_entropy(hidden, generator, target)
+        b = teaching(hidden, generator, target, 0.1)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
 def test_fused_loss_refuses_a_second_backward():
-    logits = torch.randn(4, 9, requires_grad=True)
-    loss, _ = fused_smoothed_cross_entropy(logits, torch.tensor([1, 2, 3, 4]))
+    hidden = torch.randn(4, 8, requires_grad=True)
+    loss, _ = fused_smoothed_cross_entropy(hidden, nn.Linear(8, 9), torch.tensor([1, 2, 3, 4]))
     loss.backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         loss.backward()

@@ -108,26 +108,33 @@ def speed_up(model: nn.Module) -> nn.Module:
 
 # %% ../../book/d_2_fast.ipynb #l001
 class _FusedSmoothedCrossEntropy(torch.autograd.Function):
-    """Label-smoothed cross-entropy with the gradient computed blockwise in the forward
-    pass."""
+    """The generator and the label-smoothed cross-entropy, a block of rows at a time,
+    with the gradients computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, logits, target, epsilon, rows):
-        n, V = logits.shape
-        acc = torch.promote_types(logits.dtype, torch.float32)  # float32 at least
-        grad = torch.empty_like(logits)  # dL/dz = p - q, in the logits' dtype
-        loss = torch.zeros((), dtype=acc, device=logits.device)
-        nll = torch.zeros((), dtype=acc, device=logits.device)
+    def forward(ctx, hidden, weight, bias, target, epsilon, rows):
+        n, V = hidden.size(0), weight.size(0)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # float32 at least
+        grads = [torch.empty_like(hidden), torch.zeros_like(weight, dtype=acc)]
+        if bias is not None:
+            grads.append(torch.zeros_like(bias, dtype=acc))
+        loss = torch.zeros((), dtype=acc, device=hidden.device)
+        nll = torch.zeros((), dtype=acc, device=hidden.device)
         for i in range(0, n, rows):  # a block of rows stays in the cache
-            logp = logits[i:i + rows].to(acc).log_softmax(-1)  # (r, V)
-            t = target[i:i + rows, None]                       # (r, 1)
+            h = hidden[i:i + rows]                                  # (r, d_model)
+            logp = F.linear(h, weight, bias).to(acc).log_softmax(-1)  # (r, V)
+            t = target[i:i + rows, None]                            # (r, 1)
             block_nll = -logp.gather(-1, t).sum()
             nll += block_nll
             loss += (1.0 - epsilon) * block_nll - epsilon / V * logp.sum()
-            p_minus_q = logp.exp_().sub_(epsilon / V)  # p - eps/V, in place of logp
-            p_minus_q.scatter_add_(-1, t, p_minus_q.new_full(t.shape, -(1.0 - epsilon)))
-            grad[i:i + rows] = p_minus_q
-        ctx.save_for_backward(grad)
+            g = logp.exp_().sub_(epsilon / V)  # p - eps/V, in place of logp
+            g.scatter_add_(-1, t, g.new_full(t.shape, -(1.0 - epsilon)))  # dL/dz = p - q
+            with torch.autocast(hidden.device.type, enabled=False):  # in float32 at least
+                grads[0][i:i + rows] = g @ weight.to(acc)           # (r, d_model)
+                grads[1].addmm_(g.t(), h.to(acc))                   # (V, d_model)
+                if bias is not None:
+                    grads[2] += g.sum(0)
+        ctx.save_for_backward(*grads)
         ctx.mark_non_differentiable(nll)
         ctx.used = False
         return loss, nll
@@ -138,26 +145,26 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
             raise RuntimeError("fused_smoothed_cross_entropy's backward ran twice "
                                "(retain_graph=True); use label_smoothed_nll for that")
         ctx.used = True
-        grad, = ctx.saved_tensors
-        return grad.mul_(grad_loss.to(grad.dtype)), None, None, None
+        grad_h, grad_w, *grad_b = (g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
+        return grad_h, grad_w, (grad_b[0] if grad_b else None), None, None, None  # autograd casts
 
 
-def fused_smoothed_cross_entropy(logits: Tensor, target: Tensor, epsilon: float = 0.1
-                                 ) -> tuple[Tensor, Tensor]:
-    """Chapter 8's `label_smoothed_nll` on logits (n, V) and targets (n,) with no
-    padding, fast: the same (loss sum, NLL sum) and the same gradient for the loss,
-    computed blockwise in the forward pass. The NLL carries no gradient; one backward
-    pass only."""
-    if torch.compiler.is_compiling() or not (torch.is_grad_enabled()
-                                             and logits.requires_grad):
-        return label_smoothed_nll(logits, target, epsilon, pad_id=-100)  # no padding
-    rows = max(1, 2**20 // logits.size(-1))  # about 4 MB of float32 per block
-    return _FusedSmoothedCrossEntropy.apply(logits, target, float(epsilon), rows)
+def fused_smoothed_cross_entropy(hidden: Tensor, generator: nn.Linear, target: Tensor,
+                                 epsilon: float = 0.1) -> tuple[Tensor, Tensor]:
+    """Chapter 8's `label_smoothed_nll(generator(hidden), target)` for hidden states
+    (n, d_model) and targets (n,) with no padding, fast: the same (loss sum, NLL sum) and
+    the same gradients for the loss, computed blockwise in the forward pass. The NLL
+    carries no gradient; one backward pass only."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return label_smoothed_nll(generator(hidden), target, epsilon, pad_id=-100)
+    rows = max(1, 2**20 // generator.out_features)  # about 4 MB of float32 per block
+    return _FusedSmoothedCrossEntropy.apply(hidden, generator.weight, generator.bias,
+                                            target, float(epsilon), rows)
 
 
 class FastSeq2SeqLoss(Seq2SeqLoss):
     """Chapter 8's `Seq2SeqLoss`, faster on a CPU: the generator and the loss only on
-    the real target positions, the loss in one pass (`fused_smoothed_cross_entropy`).
+    the real target positions, in one pass (`fused_smoothed_cross_entropy`).
     On other devices and under `torch.compile` (no data-dependent shapes): chapter 8's."""
 
     def forward(self, src: Tensor, tgt: Tensor) -> tuple[Tensor, Tensor]:
@@ -166,8 +173,8 @@ class FastSeq2SeqLoss(Seq2SeqLoss):
         tgt_in, tgt_out = teacher_forcing(tgt)                          # (B, T-1) each
         hidden = self.model.features(src, tgt_in)                       # (B, T-1, d_model)
         keep = tgt_out != self.model.config.pad_id                      # real targets
-        logits = self.model.generator(hidden[keep])                     # (n, V)
-        return fused_smoothed_cross_entropy(logits, tgt_out[keep], self.epsilon)
+        return fused_smoothed_cross_entropy(hidden[keep], self.model.generator,
+                                            tgt_out[keep], self.epsilon)
 
 # %% ../../book/d_2_fast.ipynb #kv000a
 class KVCache:
