@@ -76,7 +76,7 @@ def test_a_blocked_write_does_not_block_the_steps(tmp_path, monkeypatch):
         if forwards[0] == 7:
             release.set()
         return output
-    model.generator.register_forward_hook(hook)
+    model.encoder.register_forward_hook(hook)
 
     result = train(model, examples(100), None, config(), out_dir=tmp_path, progress=False)
     assert result.step == 8 and forwards[0] == 8
@@ -105,7 +105,7 @@ def test_a_failed_write_is_raised_at_the_next_save_or_at_the_end(tmp_path, monke
     the last one, before it returns; nothing half-written is left."""
     monkeypatch.setattr(torch, "save", _full_disk)
     model, forwards = tiny_model(), [0]
-    model.generator.register_forward_hook(lambda m, i, o: forwards.__setitem__(0, forwards[0] + 1))
+    model.encoder.register_forward_hook(lambda m, i, o: forwards.__setitem__(0, forwards[0] + 1))
     with pytest.raises(SaveError) as e:
         train(model, examples(100), None, config(eval_every=eval_every, max_steps=raised_at), out_dir=tmp_path,
               progress=False)

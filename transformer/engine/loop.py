@@ -248,22 +248,25 @@ class _Loop:
         self.best, self.saved_step = saved["progress"].get("best"), self.at["step"]
 
     def schedule(self):
-        """(epoch, index, steps in the epoch, the epoch's examples, pieces of the global
-        batch) of every step from where the loop stands, epoch after epoch. The next epoch's
-        batches are computed in a thread while this one trains: at WMT's size an epoch's
-        batches take seconds (appendix F, *Scaling up*), which would otherwise stall the GPU."""
+        """(epoch, index, steps in the epoch, the step's target tokens, the epoch's
+        examples, pieces of the global batch) of every step from where the loop stands,
+        epoch after epoch. The next epoch's batches (and the token count of each step) are
+        computed in a thread while this one trains: at WMT's size an epoch's batches take
+        seconds (appendix F, *Scaling up*), which would otherwise stall the GPU, and the
+        training thread's work per step does not grow with the batch."""
         epoch, index = self.at["epoch"], self.at["batch"]
         with ThreadPoolExecutor(1, thread_name_prefix="next-epoch") as pool:
             ahead = pool.submit(self.epoch_steps, epoch)
             while True:
-                examples, steps = ahead.result()
+                examples, steps, tokens = ahead.result()
                 ahead = pool.submit(self.epoch_steps, epoch + 1)
                 for i in range(index, len(steps)):
-                    yield epoch, i, len(steps), examples, steps[i]
+                    yield epoch, i, len(steps), tokens[i], examples, steps[i]
                 epoch, index = epoch + 1, 0
 
     def epoch_steps(self, epoch: int) -> tuple:
-        "An epoch's examples and its steps of `pieces` index lists (chapter 8's `epoch_batches`)."
+        """An epoch's examples, its steps of `pieces` index lists (chapter 8's
+        `epoch_batches`) and the real target tokens of each step."""
         c, examples = self.config, self.examples_of(epoch)
         steps = (examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
                  if hasattr(examples, "epoch_batches")       # a prepared corpus: its lengths
@@ -273,7 +276,7 @@ class _Loop:
                              f"from {len(examples)} examples in "
                              f"{self.pieces} pieces; "
                              "lower accum_steps or use more data")
-        return examples, steps
+        return examples, steps, [target_tokens(examples, s) for s in steps]
 
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
@@ -300,9 +303,9 @@ class _Loop:
         try:
             with StopRequest() as self.stop:
                 while self.at["step"] < c.max_steps:
-                    (epoch, index, count, *step), tensors = next(batches)
+                    (epoch, index, count, n, *_), tensors = next(batches)
                     self.at.update(epoch=epoch, batch=index + 1)
-                    lr = self.step(tensors, *step)
+                    lr = self.step(tensors, n)
                     bar.update(1)
                     stopped = self.should_stop() or stopped
                     step, done = self.at["step"], (self.at["step"] >= c.max_steps
@@ -345,12 +348,12 @@ class _Loop:
                            tokens=at["tokens"], best=self.best, history=self.history,
                            signal=self.stop.signum)
 
-    def step(self, tensors: list[torch.Tensor], examples: list,
-             step_pieces: list[list[int]]) -> float:
-        """One optimizer step on this process's pieces of a global batch (`step_pieces`,
-        index lists into `examples`); returns the learning rate. Nothing here waits for
-        the device."""
-        c, n = self.config, target_tokens(examples, step_pieces)
+    def step(self, tensors: list[torch.Tensor], n: int) -> float:
+        """One optimizer step on this process's pieces of a global batch (`tensors`:
+        src, tgt, src, tgt, ...), whose `n` real target tokens (all processes) divide the
+        loss; returns the learning rate. Nothing here waits for the device, and nothing
+        here loops over sentences."""
+        c = self.config
         # the dropout masks of this step depend on (seed, step, rank) alone
         torch.manual_seed(c.seed * 1_000_003 + self.at["step"] * 1_009 + self.rank)
         self.model.train()
