@@ -147,8 +147,10 @@ def reads_per_iteration(monkeypatch, tmp_path, **config):
     return {s: after - before for (s, before), (_, after) in zip(marks, marks[1:])}, result, syncs
 
 
-def test_a_step_reads_nothing_from_the_device_between_two_log_lines(monkeypatch, tmp_path):
-    reads, result, syncs = reads_per_iteration(monkeypatch, tmp_path)
+@pytest.mark.parametrize("cpu_bf16", [False, True])   # float32, and under autocast as on a GPU
+@pytest.mark.filterwarnings("ignore:cpu_bf16=True on a CPU without bf16")
+def test_a_step_reads_nothing_from_the_device_between_two_log_lines(monkeypatch, tmp_path, cpu_bf16):
+    reads, result, syncs = reads_per_iteration(monkeypatch, tmp_path, cpu_bf16=cpu_bf16)
     assert result.step == 12 and sorted(reads) == list(range(1, 13))
     log, evaluate = {4, 8, 12}, {6, 12}
     quiet = [s for s in reads if s not in log | evaluate]
