@@ -312,7 +312,7 @@ def test_nan_stops_before_the_update_and_keeps_the_last_good_checkpoint(tmp_path
                 return output * float("nan")
         return output
 
-    model.generator.register_forward_hook(poison)
+    model.decoder.register_forward_hook(poison)                         # once a training forward
     with pytest.raises(TrainingError, match=r"became nan at step 13.*last\.pt \(step 10\)"):
         train(model, copy_examples(200), copy_examples(20, seed=3), quick(max_steps=50, eval_every=5),
               out_dir=tmp_path, progress=False)
@@ -336,7 +336,7 @@ def test_a_signal_finishes_the_step_saves_and_says_which(tmp_path, signum):
             os.kill(os.getpid(), signum)
         return output
 
-    model.generator.register_forward_hook(interrupt)
+    model.decoder.register_forward_hook(interrupt)
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     result = train(model, copy_examples(200), None, quick(max_steps=50, eval_every=100), out_dir=tmp_path,
                    progress=False)
@@ -686,7 +686,8 @@ def test_cpu_bf16_trains_under_autocast_and_stays_close_to_float32():
         torch.manual_seed(0)
         model = Transformer(tiny_config())
         seen = []
-        hook = model.generator.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
+        linear = next(m for m in model.decoder.modules() if isinstance(m, torch.nn.Linear))
+        hook = linear.register_forward_hook(lambda m, i, o, seen=seen: seen.append(o.dtype))
         import warnings
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="cpu_bf16=True on a CPU without bf16")

@@ -131,7 +131,7 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
             g.scatter_add_(-1, t, g.new_full(t.shape, -(1.0 - epsilon)))  # dL/dz = p - q
             with torch.autocast(hidden.device.type, enabled=False):  # in float32 at least
                 grads[0][i:i + rows] = g @ weight.to(acc)           # (r, d_model)
-                grads[1].addmm_(g.t(), h.to(acc))                   # (V, d_model)
+                torch.addmm(grads[1], g.t(), h.to(acc), out=grads[1])  # (V, d_model)
                 if bias is not None:
                     grads[2] += g.sum(0)
         ctx.save_for_backward(*grads)
