@@ -16,7 +16,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL_WORDS, GOAL_LINES = 22_000, 3_000           # issue 30's goal for chapters 0-12
-BUDGET_WORDS, BUDGET_LINES = 21_824, 2_903       # the count after issue 43 (chapter 12's run log moved to appendix H, chapter 0 opens on the task, one notation); lower it as chapters are cut
+BUDGET_WORDS, BUDGET_LINES = 21_838, 2_911       # the count after issue 43 (one running example through chapters 1-11, chapter 12 a lesson, chapter 0 on the task, one notation); lower it as chapters are cut
 FIRST_LATER_PART = "The paper's claims, measured"
 # the HTML that markdown cells use as markup (glue spans, folds, a title's math), not as words
 TAG = re.compile(r"</?(?:span|details|summary|i|b|em|strong|sup|sub|code|br|div|p)\b[^<>]*>")
