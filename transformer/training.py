@@ -47,14 +47,13 @@ def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> flo
 
 # %% ../book/08_training.ipynb #c016
 def make_optimizer(model: nn.Module, betas: tuple[float, float] = (0.9, 0.98),
-                   eps: float = 1e-9, weight_decay: float = 0.0) -> torch.optim.Adam:
+                   eps: float = 1e-9) -> torch.optim.Adam:
     """Adam with the paper's constants, as one fused kernel on CPU and CUDA (it can also
     skip a step on the device, see the loop). The rate is set per step by the loop."""
     params = [p for p in model.parameters() if p.requires_grad]
     fused = bool(params) and all(p.device.type in ("cpu", "cuda")
                                  and p.dtype.is_floating_point for p in params)
-    return torch.optim.Adam(params, lr=0.0, betas=betas, eps=eps,
-                            weight_decay=weight_decay, fused=fused or None)
+    return torch.optim.Adam(params, lr=0.0, betas=betas, eps=eps, fused=fused or None)
 
 def set_rate(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:

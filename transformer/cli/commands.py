@@ -18,13 +18,12 @@ import torch
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import DEVICES
-from ..engine.trained import BATCH_TOKENS, load
-from ..model import ARCHS, POSITIONS, PRESETS, Transformer
-from ..tokens import Tokenizer
+from ..engine.trained import BATCH_TOKENS
+from ..model import ARCHS, POSITIONS, PRESETS
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'describe_device',
-           'write_json', 'load_pairs', 'load_run', 'Terminated', 'report', 'run_command']
+           'write_json', 'load_pairs', 'Terminated', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -390,14 +389,6 @@ def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
                         .replace("; in Python, verify=False)", ")")) from None
     return (pairs[:args.eval_sentences]
             if getattr(args, "eval_sentences", None) and split != "train" else pairs)
-
-
-def load_run(run_dir: str | os.PathLike, which: str = "chosen",
-             device: str | torch.device = "cpu") -> tuple[Transformer, Tokenizer, dict]:
-    """The model (eval mode), tokenizer and config.json of a run or model directory:
-    appendix E.1's `load`, with every check it makes."""
-    trained = load(run_dir, which, device)
-    return trained.model, trained.tokenizer, trained.config
 
 
 class Terminated(KeyboardInterrupt):
