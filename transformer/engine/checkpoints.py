@@ -12,7 +12,7 @@ import textwrap
 import threading
 import warnings
 import zipfile
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -203,25 +203,19 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def _build(config: TransformerConfig) -> nn.Module:
-    "The model `config` describes: the encoder-decoder, or chapter 19.1's decoder-only model."
-    if config.arch == "encoder-decoder":
-        return Transformer(config)
-    from transformer.modern.gpt import DecoderOnly  # imported only when one is loaded
-    return DecoderOnly(config)
-
-
 def model_bytes(config: TransformerConfig) -> int:
-    """Bytes of the parameters and buffers of the model `config` describes (tied weights
-    once), counted on the model built on the `meta` device: shapes, no memory. Built
-    with 1 and 2 layers, as every layer adds the same bytes: a damaged config's
-    `n_layers` costs nothing to count."""
-    def size(n_layers: int) -> int:
-        with torch.device("meta"):
-            model = _build(replace(config, n_layers=n_layers))
-        return sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
-    one = size(1)
-    return one + (config.n_layers - 1) * (size(2) - one)
+    """Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper
+    bound, computed, not built."""
+    d, f, n = config.d_model, config.d_ff, config.n_layers
+    qk = config.h * (config.d_k or d // config.h)  # width of W^Q and W^K (Table 3, row B)
+    attention, ffn, norm = 2 * (d * qk + qk) + 2 * (d * d + d), 2 * d * f + f + d, 2 * d
+    layers = (n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
+              + 2 * norm)
+    vocab = (max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings
+             else config.src_vocab + 2 * config.tgt_vocab)
+    # embeddings (+ generator), its bias, PE
+    tables = vocab * d + config.tgt_vocab + config.max_len * d
+    return 4 * (layers + tables)
 
 
 def _check_tensors(weights: dict, model: nn.Module, name: str) -> None:
@@ -276,7 +270,11 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                 f"{name} holds NaN or infinite weights ({bad}): "
                 f"the run diverged or the file is damaged; "
                 f"use another checkpoint (--checkpoint best, last or averaged)")
-        model = _build(config)
+        if config.arch == "encoder-decoder":
+            model = Transformer(config)
+        else:  # chapter 19.1's decoder-only models, imported only when one is loaded
+            from transformer.modern.gpt import DecoderOnly
+            model = DecoderOnly(config)
         _check_tensors(weights, model, name)
         model.load_state_dict(weights)
     except CheckpointError:
