@@ -9,6 +9,7 @@ import threading
 
 import pytest
 import torch
+from test_one_final_evaluation import examples
 
 import transformer.engine.checkpoints as checkpoints
 from transformer.engine.checkpoints import (
@@ -21,20 +22,10 @@ from transformer.engine.checkpoints import (
 )
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
-from transformer.tokens import BOS, EOS
 from transformer.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEADLINE = 120      # seconds a blocked write waits before the test gives up (a hang guard, never asserted)
-
-
-def examples(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, 16, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
 
 
 def tiny_model(tie=False):

@@ -14,7 +14,8 @@ from transformer.training import TrainConfig
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def examples(n, seed):
+def examples(n, seed=0):
+    "Copy-task pairs (x EOS, BOS x EOS), x of 3-8 ids in 4..15; tests/test_async_checkpoints.py and test_step_proofs.py use it too."
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 from test_host_syncs import HostSyncs
+from test_one_final_evaluation import examples
 from torch import nn
 
 import transformer.engine.fast as fast
@@ -21,19 +22,9 @@ import transformer.engine.loop as loop
 from transformer.engine.devices import prefetch
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
-from transformer.tokens import BOS, EOS
 from transformer.training import Seq2SeqLoss, TrainConfig
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
-
-
-def examples(n, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, 16, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
 
 
 DATA = examples(3000)
