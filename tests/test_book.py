@@ -16,9 +16,6 @@ API_PAGE = "book/g_api"   # appendix G, the API reference: autodoc's page (book/
 CHAPTERS = [entry["file"] for part in TOC["parts"] for c in part["chapters"]
             for entry in [c, *c.get("sections", [])]   # a chapter's second notebook is its section N.1
             if entry["file"] != API_PAGE]
-CHROME_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                "--virtual-time-budget=20000", "--dump-dom"]
 
 
 def _chart_specs(notebook: Path) -> list[dict]:
@@ -97,16 +94,8 @@ def browser() -> str:
 CHART_PAGES = [c for c in CHAPTERS if _chart_specs(ROOT / f"{c}.ipynb")]
 
 
-def _render(page: Path, profile: Path, browser: str) -> str:
-    "The page's DOM after its scripts ran, in headless Chromium with no network."
-    result = subprocess.run([browser, *CHROME_FLAGS, f"--user-data-dir={profile}", page.as_uri()],
-                            capture_output=True, text=True, timeout=120)
-    assert "<body" in result.stdout, f"the browser returned no page for {page}:\n{result.stderr[-2000:]}"
-    return result.stdout
-
-
-def test_math_renders_offline(browser, built_book, tmp_path):   # browser first: no browser, no book build
-    dom = _render(built_book / "book" / "00_why_attention.html", tmp_path, browser)
+def test_math_renders_offline(chromes, built_book):   # the browser first: no browser, no book build
+    dom, _ = _render_logged(chromes("light"), built_book / "book" / "00_why_attention.html")
     n_math = dom.count('class="math')
     assert n_math > 5, "expected displayed and inline math on the chapter page"
     assert dom.count("<mjx-container") >= n_math, "MathJax did not typeset every formula (is _static/mathjax there?)"
@@ -317,12 +306,15 @@ def test_every_notebook_page_has_colab_binder_and_download_buttons(built_book):
         assert f"_sources/{chapter}.ipynb" in html, f"{chapter}: no download link to its notebook"
 
 
-def test_search_works_offline_in_a_browser(browser, built_book, tmp_path):
+def test_search_works_offline_in_a_browser(chromes, built_book):
     "The built search index answers a query in the browser, from the files alone (no server, no network)."
-    page = (built_book / "search.html").as_uri() + "?q=positional+encoding"
-    result = subprocess.run([browser, *CHROME_FLAGS, f"--user-data-dir={tmp_path}", page],
-                            capture_output=True, text=True, timeout=120)
-    dom = result.stdout
+    chrome = chromes("light")
+    chrome.open((built_book / "search.html").as_uri() + "?q=positional+encoding")
+    try:
+        chrome.wait_for(r"/found \d+ page/.test(document.body.innerText)", bool, timeout=30)
+    except TimeoutError:
+        pass                                                # the asserts say what is missing
+    dom = chrome.evaluate("document.documentElement.outerHTML")
     found = re.search(r"found (\d+) page", dom)
     assert found and int(found.group(1)) > 0, "the search page found nothing (is searchindex.js there?)"
     hits = re.findall(r'<a href="(book/[^"#?]+\.html)', dom.split('id="search-results"', 1)[-1])
