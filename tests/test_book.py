@@ -413,3 +413,22 @@ def test_the_translator_runs_in_a_browser_from_the_built_site(browser, built_boo
     assert not outside, f"requests that left localhost: {outside}"
     assert any(p.endswith("/ort/ort-wasm-simd-threaded.wasm") for p in served), "the runtime was not served by the site"
     assert any(p.endswith("/model/decoder.onnx") for p in served), "the model was not served by the site"
+
+
+def test_the_vega_bundle_is_made_once_per_version_and_kept(tmp_path, monkeypatch):
+    "book/_ext/vega_offline.py keeps vl-convert's bundle in the user's cache; without a cache it still builds."
+    import vl_convert
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    try:
+        import vega_offline
+    finally:
+        sys.path.remove(str(ROOT / "book" / "_ext"))
+    made = []
+    monkeypatch.setattr(vl_convert, "javascript_bundle", lambda: made.append(1) or "bundle();")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert vega_offline._bundle() == vega_offline._bundle() == "bundle();" and len(made) == 1
+    kept = list((tmp_path / "transformer-book").iterdir())
+    assert [p.name for p in kept] == [f"vega-bundle-{vl_convert.__version__}.js"]   # no part file left
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "kept" / "file"))
+    (tmp_path / "kept").write_text("a file where the cache's folder would go")
+    assert vega_offline._bundle() == "bundle();" and len(made) == 2               # unwritable: made, not kept

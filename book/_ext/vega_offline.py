@@ -2,7 +2,8 @@
 
 - Vega, Vega-Lite and Vega-Embed: altair's default HTML loads them from a CDN. The book's charts
   (see `transformer.figures.viz`) call the global `vegaEmbed` instead; this extension writes the
-  libraries, bundled by vl-convert, to `_static/vega-bundle.js` at build time and adds it to the
+  libraries, bundled by vl-convert (once per version, kept in the user's cache), to
+  `_static/vega-bundle.js` at build time and adds it to the
   pages that have a chart (about 1 MB that the other pages do not load): a page has one when its
   document holds the renderer's HTML output (`has_chart`), never when it merely shows its
   source. The bundle is wrapped in a function so that its top-level names do not clash with
@@ -35,16 +36,36 @@ def _use_local_mathjax(app, config):
     config.mathjax_path = MATHJAX
 
 
+def _bundle() -> str:
+    """vl-convert's bundle of Vega, Vega-Lite and Vega-Embed (seconds of CPU to make), kept per
+    vl-convert version in the user's cache (`$XDG_CACHE_HOME/transformer-book/`), so that a
+    rebuild does not make it again; made in place when the cache cannot be written."""
+    import os
+
+    import vl_convert
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "transformer-book"
+    kept = base / f"vega-bundle-{vl_convert.__version__}.js"
+    if kept.is_file():
+        return kept.read_text(encoding="utf-8")
+    bundle = vl_convert.javascript_bundle()
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_suffix(f".{os.getpid()}.part")
+        partial.write_text(bundle, encoding="utf-8")
+        partial.replace(kept)                     # atomic: a reader sees all of it or nothing
+    except OSError:
+        pass
+    return bundle
+
+
 def _write_static(app, exception):
     if exception is not None or app.builder.format != "html":
         return
-    import vl_convert
-
     static = Path(app.outdir) / "_static"
     static.mkdir(parents=True, exist_ok=True)
     (static / CSS).write_text(DARK, encoding="utf-8")
-    (static / BUNDLE).write_text("(function () {\n" + vl_convert.javascript_bundle() + "\n})();\n",
-                                 encoding="utf-8")
+    (static / BUNDLE).write_text("(function () {\n" + _bundle() + "\n})();\n", encoding="utf-8")
     # the speech-rule engine (sre) is only for optional accessibility exploration: leave it out
     shutil.copytree(_mathjax_source(), static / "mathjax" / "es5", dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns("sre", "*-full*.js", "node-main.js"))
