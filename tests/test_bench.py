@@ -5,8 +5,6 @@ import errno
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -113,8 +111,9 @@ def test_assumed_peaks():
 
 
 @pytest.mark.slow
-def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
-    "Real Multi30k batches, tiny preset: the table ends in a parsable line, --json is one valid object."
+def test_bench_end_to_end_table_and_json(capsys, monkeypatch, tmp_path):
+    """Real Multi30k batches, tiny preset: the table ends in a parsable line, --out writes the JSON result
+    (and nothing else), --json is one valid object."""
     seen = {"Transformer": [], "TorchTransformer": []}
     decoded = {"Transformer": [], "TorchTransformer": []}
     real_step, real_search = bench.train_step, bench.greedy_search
@@ -130,11 +129,15 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     threads_before = torch.get_num_threads()
     monkeypatch.setattr(bench, "train_step", recording_step)
     monkeypatch.setattr(bench, "greedy_search", recording_search)
-    assert bench.main(SMALL_RUN) == 0
+    saved = tmp_path / "r" / "bench.json"
+    assert bench.main(SMALL_RUN + ["--out", str(saved)]) == 0           # the table, and the result in a file
     out = capsys.readouterr().out
     last = out.strip().splitlines()[-1]
     m = re.fullmatch(r"speedup_vs_nn: (\d+\.\d\d)", last)
     assert m and float(m.group(1)) > 0
+    result = json.loads(saved.read_text())
+    assert last == f"speedup_vs_nn: {result['speedup_vs_nn']:.2f}"
+    assert [p.name for p in saved.parent.iterdir()] == ["bench.json"]          # no temporary file left behind
     assert "train target tokens/s" in out and "greedy decode sentences/s" in out
 
     # both models saw the same batches, in the same number, and decoded the same sources
@@ -149,13 +152,12 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     assert not any(cache for _, cache in decoded["TorchTransformer"])
     assert [x.shape for x, cache in decoded["Transformer"] if cache]     # ours is also timed with its cache
 
-    assert bench.main(SMALL_RUN + ["--json"]) == 0
-    result = json.loads(capsys.readouterr().out)
+    # the JSON result of that run (--out writes what --json prints)
     assert result["speedup_vs_nn"] == pytest.approx(sorted(result["train"]["ratio"])[0] / 2
                                                     + sorted(result["train"]["ratio"])[1] / 2)
     assert len(result["train"]["ours_tokens_per_s"]) == len(result["train"]["nn_tokens_per_s"]) == 2
     assert result["data"]["max_tokens"] == 400 and result["preset"] == "tiny"
-    assert result["command"].startswith("python -m transformer bench") and "--json" in result["command"]
+    assert result["command"] == "python -m transformer bench " + " ".join(SMALL_RUN + ["--out", str(saved)])
     for key in ("git_commit", "git_dirty", "torch", "device_name", "threads", "started_utc"):
         assert key in result
     assert result["memory"]["train_peak_bytes"]["ours"] > 0 and result["flops"]["mfu"] is None
@@ -166,16 +168,12 @@ def test_bench_end_to_end_table_and_json(capsys, monkeypatch):
     assert result["bf16_autocast"] == cpu_has_bf16_units()           # the default: training's precision here
     assert result["keep_freed_memory"] in (True, False)
     assert result["threads"] == 1 and torch.get_num_threads() == threads_before  # restored
-
-
-@pytest.mark.slow
-def test_bench_writes_json_file(tmp_path, capsys):
-    out = tmp_path / "r" / "bench.json"
-    assert bench.main(SMALL_RUN + ["--repeats", "1", "--out", str(out)]) == 0
-    table = capsys.readouterr().out
-    saved = json.loads(out.read_text())
-    assert table.strip().splitlines()[-1] == f"speedup_vs_nn: {saved['speedup_vs_nn']:.2f}"
-    assert [p.name for p in out.parent.iterdir()] == ["bench.json"]          # no temporary file left behind
+    # --json prints the same object on stdout, and nothing else (one round over one batch: the format)
+    short = SMALL_RUN + ["--repeats", "1", "--batches", "1", "--decode-sentences", "1", "--warmup", "0", "--json"]
+    assert bench.main(short) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed.keys() == result.keys() and printed["command"].startswith("python -m transformer bench")
+    assert "--json" in printed["command"] and len(printed["train"]["ours_tokens_per_s"]) == 1
 
 
 @pytest.mark.parametrize("where", ["under a file", "deeper under a file", "a directory", "a run's results"])
@@ -199,13 +197,16 @@ def test_bad_out_is_refused_before_the_benchmark(where, tmp_path, capsys, monkey
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "run"] and a_file.read_text() == "keep"
 
 
-@pytest.mark.slow
-def test_bad_out_from_the_command_line(tmp_path):
-    "The same through `python -m transformer bench`: exit code 2, one line, no traceback."
-    result = subprocess.run([sys.executable, "-m", "transformer", "bench", "--out", str(tmp_path)],
-                            capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 2 and result.stdout == ""
-    assert result.stderr.count("\n") == 1 and "is a directory" in result.stderr, result.stderr
+def test_bad_out_from_the_command_line(tmp_path, capsys):
+    """The same through `python -m transformer bench`'s entry point (transformer.__main__.main), in this
+    process: exit code 2, one line, no traceback (`python -m transformer` in a fresh process: tests/test_cli.py)."""
+    from transformer.__main__ import main as entry
+    with pytest.raises(SystemExit) as e:
+        entry(["bench", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "is a directory" in captured.err, captured.err
+    assert captured.err.startswith("python -m transformer bench: error: --out ")
     assert list(tmp_path.iterdir()) == []
 
 
