@@ -45,7 +45,70 @@ def assert_one_line_error(code, out, err, expected_code, match):
     assert "Traceback" not in err and match in err, err
 
 
-pytestmark = pytest.mark.usefixtures("keep_threads")
+@contextlib.contextmanager
+def kept_state():
+    """Put back what `main` in this process changes for what runs after it: torch's thread count (--threads), the
+    global seeds (train seeds torch), and the oneDNN cache variable that train sets in os.environ (the subprocesses
+    of later tests would inherit it). train puts its SIGTERM handler back itself; this checks that it did."""
+    import random
+
+    import numpy as np
+    threads, handler = torch.get_num_threads(), signal.getsignal(signal.SIGTERM)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    try:
+        with pytest.MonkeyPatch.context() as mp:                   # its own: a test may undo its monkeypatch
+            for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY"):
+                if name in os.environ:
+                    mp.setenv(name, os.environ[name])              # put back at the end, whatever train does
+                else:
+                    mp.delenv(name, raising=False)
+            yield
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_rng_state(states[0])
+        random.setstate(states[1])
+        np.random.set_state(states[2])
+    assert signal.getsignal(signal.SIGTERM) == handler, "a command left its SIGTERM handler behind"
+
+
+@pytest.fixture
+def global_state():
+    "kept_state around each test (a module's fixtures that run commands use it themselves)."
+    with kept_state():
+        yield
+
+
+pytestmark = pytest.mark.usefixtures("one_thread", "global_state")  # tiny models: a second thread only spins
+
+
+def _hold(run_dir) -> int:
+    """Another process that holds the run directory, as a live run does (its `run_lock`): a child forked from this
+    one, so that it imports nothing again; returns its pid once it holds the lock. `_release(pid)` ends it."""
+    from transformer.engine.corpus import run_lock
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                   # the child: hold until killed, never return
+        try:
+            with run_lock(run_dir):
+                os.write(write, b"held")
+                time.sleep(120)
+        finally:
+            os._exit(0)
+    os.close(write)
+    try:
+        said = os.read(read, 4)
+    finally:
+        os.close(read)
+    if said != b"held":
+        _release(pid)
+        pytest.fail(f"the forked holder of {run_dir} did not take its lock")
+    return pid
+
+
+def _release(pid: int):
+    "End a holder of `_hold`, as a kill ends a run: the operating system frees its lock."
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
 
 
 # small on purpose: 800-token steps, 8 sentences scored (an untrained model writes to the length cap)
@@ -57,7 +120,8 @@ TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--
 @pytest.fixture(scope="module")
 def trained(multi30k, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "tiny-de-en"
-    code, stdout, err = run(*TRAIN, "--out", out)
+    with kept_state():
+        code, stdout, err = run(*TRAIN, "--out", out)
     assert code == 0, err
     return out, stdout
 
@@ -139,6 +203,9 @@ def test_evaluate_split_json_and_files(trained, tmp_path):
 
 
 def test_resume_continues_and_refuses_changes(trained, tmp_path):
+    """--resume continues a run and refuses to change it; a run directory that another process holds is refused
+    until that process ends, however it ends (the operating system frees the lock); and a metrics line that a kill
+    cut short is dropped on resume. One resume shows the last three: each resume trains and evaluates again."""
     out = tmp_path / "copy"
     shutil.copytree(trained[0], out)
     code, out_, err = run(*TRAIN, "--out", out)
@@ -146,10 +213,20 @@ def test_resume_continues_and_refuses_changes(trained, tmp_path):
     code, out_, err = run(*TRAIN, "--out", out, "--resume", "--warmup", 7, "--dropout", 0.2)
     assert_one_line_error(code, out_, err, 1, "--resume with a different config")
     assert "warmup=7" in err and "dropout=0.2" in err
-    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")
+    holder = _hold(out)                                             # a second process, while a run holds it
+    try:
+        code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")
+        assert_one_line_error(code, stdout, err, 1, f"is in use by another run (pid {holder})")
+    finally:
+        _release(holder)
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 2')              # the run was killed while writing this line
+    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")  # the OS freed it
     assert code == 0, err
+    assert "metrics.jsonl: dropped its last line, cut short" in err
     assert json.loads((out / "results.json").read_text())["steps"] == 30
-    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
     assert steps == sorted(steps) and steps[-1] == 30
 
 
@@ -483,10 +560,15 @@ def test_mismatched_tokenizer(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_python_dash_m_runs_main():
+def test_python_dash_m_runs_main(monkeypatch, capsys):
+    "`python -m transformer` runs main and exits with its code: --help as `-m` runs it here, a bad line in a real process."
+    import runpy
+    monkeypatch.setattr(sys, "argv", ["transformer", "--help"])
+    monkeypatch.delitem(sys.modules, "transformer.__main__")        # run afresh, as -m does (put back after)
+    with pytest.raises(SystemExit) as ok:
+        runpy.run_module("transformer", run_name="__main__", alter_sys=True)
+    assert ok.value.code == 0 and "train" in capsys.readouterr().out
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    ok = subprocess.run([sys.executable, "-m", "transformer", "--help"], capture_output=True, text=True, env=env)
-    assert ok.returncode == 0 and "train" in ok.stdout
     bad = subprocess.run([sys.executable, "-m", "transformer", "train", "--preset", "huge"], capture_output=True,
                          text=True, env=env)
     assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1 and "Traceback" not in bad.stderr
@@ -531,8 +613,16 @@ def test_cap_kernel_cache_takes_effect_after_importing_the_package_and_yields_to
     assert said == "kept" and events == ["cache_miss", "cache_miss", "cache_hit"]
     # capacity 1, set by cap_kernel_cache: the kernel of shape A is evicted by B's and compiled again
     assert _kernel_cache(1) == ("set", ["cache_miss"] * 3)
-    # the older name of the variable counts as the user's choice too
-    assert _kernel_cache(1, DNNL_PRIMITIVE_CACHE_CAPACITY="1024")[0] == "kept"
+
+
+
+def test_cap_kernel_cache_yields_to_the_older_name_of_the_variable(monkeypatch):
+    "The older name of the variable counts as the user's choice too (read from os.environ: no fresh process needed)."
+    from transformer.cli.train import cap_kernel_cache
+    monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
+    monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "1024")
+    assert cap_kernel_cache(1) is False
+    assert "ONEDNN_PRIMITIVE_CACHE_CAPACITY" not in os.environ and os.environ["DNNL_PRIMITIVE_CACHE_CAPACITY"] == "1024"
 
 
 # --- issue 18: careless and hostile use of a real run directory --------------------------------------------------
@@ -612,17 +702,6 @@ def test_invalid_utf8_on_stdin(trained):
                           "stdin line 2 is not valid UTF-8 (byte b'\\xdf' at column 3)")
 
 
-def test_truncated_metrics_line_is_dropped_on_resume(trained, tmp_path):
-    out = _copy(trained, tmp_path)
-    with open(out / "metrics.jsonl", "a") as f:
-        f.write('{"kind": "train", "step": 2')              # the run was killed while writing this line
-    code, stdout, err = run(*[a if a != 24 else 28 for a in TRAIN], "--out", out, "--resume")
-    assert code == 0, err
-    assert "metrics.jsonl: dropped its last line, cut short" in err
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert records[-1]["step"] == 28 and [r["step"] for r in records] == sorted(r["step"] for r in records)
-
-
 def test_damaged_metrics_line_names_file_and_line(trained, tmp_path):
     out = _copy(trained, tmp_path)
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -682,29 +761,12 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
         subprocess.run(["umount", str(disk)], check=True)
 
 
-def test_second_process_is_refused_while_a_run_holds_the_directory(trained, tmp_path):
-    out = _copy(trained, tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
-                               f"with run_lock({str(out)!r}):\n    print('held', flush=True)\n    time.sleep(120)"],
-                              stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout.readline().strip() == "held"
-        code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")
-        assert_one_line_error(code, stdout, err, 1, f"is in use by another run (pid {holder.pid})")
-    finally:
-        holder.kill()
-        holder.wait()
-    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")  # the OS freed it
-    assert code == 0, err
-
-
 @pytest.mark.slow
 def test_two_trainings_into_one_directory(multi30k, tmp_path):
     "Started together: one trains, the other is refused with one line; the run left is whole and consistent."
     out = tmp_path / "both"
-    de_en = _cli(*TRAIN, "--max-steps", 6, "--eval-every", 6, "--out", out)
-    fr_en = _cli(*[a if a != "de" else "fr" for a in TRAIN], "--src", "fr", "--max-steps", 6, "--eval-every", 6,
-                 "--out", out)
+    de_en = _cli(*SHORT, "--out", out)                              # 3 steps: the claim needs no more
+    fr_en = _cli(*SHORT, "--src", "fr", "--out", out)
     results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in (de_en, fr_en)]
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 1], results
@@ -722,7 +784,7 @@ def test_two_trainings_into_one_directory(multi30k, tmp_path):
 @pytest.mark.slow
 def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
     out = tmp_path / "term"
-    argv = [*TRAIN, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]
+    argv = [*SHORT, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]  # the last wins
     proc = _cli(*argv)
     try:
         deadline = time.time() + 300
@@ -839,9 +901,10 @@ def test_shape_flags_set_the_model_config(flags, want):
 
 @pytest.fixture(scope="module")
 def shaped(multi30k, tmp_path_factory):
-    "A 3-step run with every shape flag set."
+    "A 3-step run with every shape flag set, and subword dropout (a training flag that config.json keeps as well)."
     out = tmp_path_factory.mktemp("shaped") / "run"
-    code, stdout, err = run(*SHORT, *SHAPE, "--out", out)
+    with kept_state():
+        code, stdout, err = run(*SHORT, *SHAPE, "--subword-dropout", 0.1, "--out", out)
     assert code == 0, err
     return out
 
@@ -864,12 +927,11 @@ def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
 
 
 @pytest.mark.slow
-def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_path):
+def test_subword_dropout_reaches_config_json_and_resume_keeps_it(shaped, tmp_path):
     out = tmp_path / "run"
-    code, _, err = run(*SHORT, "--subword-dropout", 0.1, "--out", out)
-    assert code == 0, err
+    shutil.copytree(shaped, out)                                     # `shaped` trained with --subword-dropout 0.1
     assert json.loads((out / "config.json").read_text())["train"]["subword_dropout"] == 0.1
-    more = [a if a != 3 else 5 for a in SHORT]                          # --max-steps 5
+    more = [*(a if a != 3 else 5 for a in SHORT), *SHAPE]             # --max-steps 5
     code, out_, err = run(*more, "--out", out, "--resume")
     assert_one_line_error(code, out_, err, 1, "subword_dropout=0.0 (the run has 0.1)")
     code, _, err = run(*more, "--subword-dropout", 0.1, "--out", out, "--resume")
@@ -877,20 +939,33 @@ def test_subword_dropout_reaches_config_json_and_resume_keeps_it(multi30k, tmp_p
     assert json.loads((out / "results.json").read_text())["steps"] == 5
 
 
+# a 3-step run of a smaller model (a faster resume), with the defaults of every field that a later version added
+SMALL = ["--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1]
+
+
+@pytest.fixture(scope="module")
+def small(multi30k, tmp_path_factory):
+    "A 3-step run that the tests below copy and make look older."
+    out = tmp_path_factory.mktemp("small") / "run"
+    with kept_state():
+        code, _, err = run(*SHORT, *SMALL, "--out", out)
+    assert code == 0, err
+    return out
+
+
 @pytest.mark.slow
-def test_a_run_from_before_subword_dropout_resumes(multi30k, tmp_path):
+def test_a_run_from_before_subword_dropout_resumes(small, tmp_path):
     "config.json and last.pt without the field: the run trained with its default, 0."
     from transformer.engine.checkpoints import load_checkpoint
     out = tmp_path / "run"
-    code, _, err = run(*SHORT, "--out", out)
-    assert code == 0, err
+    shutil.copytree(small, out)
     config = json.loads((out / "config.json").read_text())
     del config["train"]["subword_dropout"]
     (out / "config.json").write_text(json.dumps(config))
     state = load_checkpoint(out / "last.pt")
     del state["train_config"]["subword_dropout"]
     torch.save(state, out / "last.pt")
-    code, _, err = run(*[a if a != 3 else 5 for a in SHORT], "--out", out, "--resume")
+    code, _, err = run(*[a if a != 3 else 5 for a in SHORT], *SMALL, "--out", out, "--resume")
     assert code == 0, err
 
 
@@ -909,22 +984,20 @@ def _strip_new_fields(run_dir, checkpoints=()):
 
 @pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")], ids=["config.json", "config.json+last.pt"])
 @pytest.mark.slow
-def test_resume_of_a_run_from_before_the_shape_fields(multi30k, tmp_path_factory, checkpoints):
+def test_resume_of_a_run_from_before_the_shape_fields(small, tmp_path, checkpoints):
     "A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults."
-    out = tmp_path_factory.mktemp("old") / "run"
-    code, _, err = run(*SHORT, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--out", out)
-    assert code == 0, err
+    out = tmp_path / "run"
+    shutil.copytree(small, out)
     (out / "results.json").unlink()
     _strip_new_fields(out, checkpoints)
     more = [*SHORT, "--max-steps", 5]                               # the last --max-steps wins
-    code, _, err = run(*more, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--out", out, "--resume")
+    code, _, err = run(*more, *SMALL, "--out", out, "--resume")
     assert code == 0, err
     assert json.loads((out / "results.json").read_text())["steps"] == 5
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps) and steps[-1] == 5
     # a shape flag that differs from the run is still refused, in the flag's words
-    code, stdout, err = run(*more, "--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1, "--positions", "none",
-                            "--out", out, "--resume")
+    code, stdout, err = run(*more, *SMALL, "--positions", "none", "--out", out, "--resume")
     assert_one_line_error(code, stdout, err, 1, "--resume with a different config")
     assert "positions='none' (the run has 'sinusoidal')" in err
 
@@ -936,10 +1009,11 @@ def prepared_multi30k(multi30k, tmp_path_factory):
     "Multi30k's train, val and test prepared with a tokenizer of 1,000 pieces, as `train --vocab-size 1000` trains it."
     from transformer.data import multi30k_dir
     d, out = multi30k_dir(), tmp_path_factory.mktemp("prepared") / "corpus"
-    code, stdout, err = run("prepare", "--src-files", d / "train.de.gz", "--tgt-files", d / "train.en.gz",
-                            "--val-files", d / "val.de.gz", d / "val.en.gz",
-                            "--test-files", d / "test_2016_flickr.de.gz", d / "test_2016_flickr.en.gz",
-                            "--vocab-size", 1000, "--out", out, "--quiet")
+    with kept_state():
+        code, stdout, err = run("prepare", "--src-files", d / "train.de.gz", "--tgt-files", d / "train.en.gz",
+                                "--val-files", d / "val.de.gz", d / "val.en.gz",
+                                "--test-files", d / "test_2016_flickr.de.gz", d / "test_2016_flickr.en.gz",
+                                "--vocab-size", 1000, "--out", out, "--quiet")
     assert code == 0, err
     return out
 
@@ -948,15 +1022,24 @@ ONSHARDS = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "-
          "--threads", 1, "--quiet", "--log-every", 1, "--average", 0]
 
 
+@pytest.fixture(scope="module")
+def on_shards(prepared_multi30k, tmp_path_factory):
+    "A 4-step run on the prepared corpus: (its run directory, what it printed)."
+    out = tmp_path_factory.mktemp("on_shards") / "shards"
+    with kept_state():
+        code, stdout, err = run(*ONSHARDS, "--data", prepared_multi30k, "--out", out)
+    assert code == 0, err
+    return out, stdout
+
+
 @pytest.mark.slow
-def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, tmp_path):
+def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, on_shards, tmp_path):
     "The same tokenizer, the same batches and losses, the same scores: one run from text, one from the shards."
     code, _, err = run(*ONSHARDS, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
     assert code == 0, err
-    code, stdout, err = run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "shards")
-    assert code == 0, err
+    shards, stdout = on_shards
     assert f"pairs of {prepared_multi30k}" in stdout
-    runs = [tmp_path / "text", tmp_path / "shards"]
+    runs = [tmp_path / "text", shards]
     assert (runs[0] / "tokenizer.model").read_bytes() == (runs[1] / "tokenizer.model").read_bytes()
     logs = [[json.loads(line) for line in (r / "metrics.jsonl").read_text().splitlines()] for r in runs]
     key = ("kind", "step", "loss", "nll", "tokens", "val_loss", "bleu")
@@ -971,20 +1054,18 @@ def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k
 
 
 @pytest.mark.slow
-def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, tmp_path):
-    code, _, err = run(*ONSHARDS, "--max-steps", 2, "--data", prepared_multi30k, "--out", tmp_path / "run",
-                       "--eval-split", "val")
-    assert code == 0, err
+def test_resume_on_a_prepared_corpus_refuses_another_corpus(prepared_multi30k, on_shards, tmp_path):
+    shutil.copytree(on_shards[0], tmp_path / "run")                  # 4 steps done; 2 more on resume
     other = tmp_path / "other"
     shutil.copytree(prepared_multi30k, other)
     manifest = json.loads((other / "manifest.json").read_text())
     manifest["skipped"] = 1                                          # another corpus, as far as the run can tell
     (other / "manifest.json").write_text(json.dumps(manifest))
-    assert_one_line_error(*run(*ONSHARDS, "--data", other, "--out", tmp_path / "run", "--resume",
-                               "--eval-split", "val"), 1, "corpus_manifest_sha256=")
-    code, _, err = run(*ONSHARDS, "--data", prepared_multi30k, "--out", tmp_path / "run", "--resume",
-                       "--eval-split", "val")
+    assert_one_line_error(*run(*ONSHARDS, "--max-steps", 6, "--data", other, "--out", tmp_path / "run", "--resume"),
+                          1, "corpus_manifest_sha256=")
+    code, _, err = run(*ONSHARDS, "--max-steps", 6, "--data", prepared_multi30k, "--out", tmp_path / "run", "--resume")
     assert code == 0, err
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["steps"] == 6
 
 
 @pytest.mark.parametrize("flags,match", [

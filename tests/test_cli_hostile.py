@@ -1,17 +1,17 @@
 """Issue 28, hostile use of the command line: input that keeps its lines, figures too large to draw, damaged metrics,
 variant files that are not UTF-8, a run directory taken in the middle of a sweep, and an interrupt during the final
 evaluation. Each error is one line on stderr, with no traceback, and leaves nothing behind."""
+import contextlib
 import io
 import json
 import os
 import shlex
-import signal
-import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
-from test_cli import TRAIN, assert_one_line_error, run
+from test_cli import SHORT, _hold, _release, assert_one_line_error, global_state, kept_state, run  # noqa: F401
 from test_sweep import _children, sweep, write_variants
 
 import transformer.cli.train as cli_train
@@ -23,7 +23,7 @@ from transformer.figures import plots
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "book" / "model"          # the shipped model: 3 layers, 4 heads
-pytestmark = pytest.mark.usefixtures("keep_threads")
+pytestmark = pytest.mark.usefixtures("one_thread", "global_state")  # tiny models: a second thread only spins
 
 
 # ---- 1. translate keeps line i of the output on line i of the input ------------------------------------------------
@@ -34,7 +34,8 @@ SENTENCES = ["Ein Hund läuft.", "Zwei Männer."]
 @pytest.fixture(scope="module")
 def alone():
     "Each sentence translated on its own, as an argument."
-    return [run("translate", "--model", MODEL, "--beam", 1, s)[1] for s in SENTENCES]
+    with kept_state():
+        return [run("translate", "--model", MODEL, "--beam", 1, s)[1] for s in SENTENCES]
 
 
 @pytest.mark.parametrize("newline", ["\n", "\r\n", "\r"], ids=["LF", "CRLF", "CR"])
@@ -204,15 +205,6 @@ def test_a_variant_file_with_a_byte_order_mark_is_read(tmp_path):
     assert read_variants(path) == ([], [Variant("a", "Fußball")])
 
 
-def _hold(run_dir: Path) -> subprocess.Popen:
-    "A process that holds the run directory's lock (a live run), once it has printed 'held'."
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
-                               "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
-                               str(run_dir)], stdout=subprocess.PIPE, text=True)
-    assert holder.stdout.readline().strip() == "held"
-    return holder
-
-
 @pytest.mark.slow
 def test_retry_failed_leaves_a_held_failed_run_alone(tmp_path, monkeypatch):
     out = tmp_path / "runs"
@@ -220,40 +212,63 @@ def test_retry_failed_leaves_a_held_failed_run_alone(tmp_path, monkeypatch):
     (out / "a" / "failed.json").write_text('{"error": "diverged"}')
     _children(monkeypatch, {"b": [sys.executable, "-c", "pass"]})
     path = write_variants(tmp_path / "v.json", [entry(), entry(name="b")])
-    holder = _hold(out / "a")
+    holder = _hold(out / "a")                                        # a live run in another process
     try:
         code, stdout, err = sweep(path, "--out", out, "--retry-failed")
     finally:
-        holder.kill()
-        holder.wait()
-    assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder.pid})" in stdout, err
+        _release(holder)
+    assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder})" in stdout, err
     assert err == "1 variants are running in another process: a; left alone (run the same command when they end)\n"
     assert (out / "a" / "failed.json").read_text() == '{"error": "diverged"}'        # kept: not ours to delete
 
 
-# a stand-in for a variant's command: it starts a process that takes the run's lock (say, `train --out` typed by hand
-# into the same directory) and ends with an error, which the sweep then cannot record
-TAKE_AND_FAIL = """import subprocess, sys
-holder = subprocess.Popen([sys.executable, "-c", "import sys, time\\nfrom transformer.engine.checkpoints import run_lock\\n"
-                           "with run_lock(sys.argv[1]):\\n    print('held', flush=True)\\n    time.sleep(60)",
-                           sys.argv[1]], stdout=subprocess.PIPE, text=True, start_new_session=True)
-assert holder.stdout.readline().strip() == "held"
-open(sys.argv[2], "w").write(str(holder.pid))
+# a stand-in for a variant's command: it has another process take the run's lock (say, `train --out` typed by hand
+# into the same directory) and ends with an error, which the sweep then cannot record. That process is
+# `_hold_when_asked`'s, forked from the test before the sweep (no second import of torch); it takes the lock when
+# this command writes to the FIFO argv[1], and says so on the FIFO argv[2].
+TAKE_AND_FAIL = """import sys
+with open(sys.argv[1], "w") as go:
+    go.write("take")
+with open(sys.argv[2]) as held:
+    assert held.read() == "held"
 sys.exit(1)"""
+
+
+def _hold_when_asked(run_dir: Path, go: Path, held: Path) -> int:
+    "A child forked from this process that takes `run_dir`'s lock once `go` is written, and says so on `held`; its pid."
+    from transformer.engine.corpus import run_lock
+    os.mkfifo(go)
+    os.mkfifo(held)
+    pid = os.fork()
+    if pid == 0:                                                   # the child: never returns into pytest
+        said = "not held"
+        try:
+            with open(go) as f:                                    # waits for the variant's command
+                f.read()
+            with run_lock(run_dir):
+                said = "held"
+                with open(held, "w") as f:
+                    f.write(said)
+                time.sleep(120)
+        finally:
+            if said != "held":                                     # the command waits for an answer
+                with contextlib.suppress(OSError), open(held, "w") as f:
+                    f.write(said)
+            os._exit(0)
+    return pid
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("command", ["train", "evaluate"])
 def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch, command):
-    out, pid_file = tmp_path / "runs", tmp_path / "holder.pid"
-    _children(monkeypatch, {"a": [sys.executable, "-c", TAKE_AND_FAIL, str(out / "a"), str(pid_file)]})
+    out, go, held = tmp_path / "runs", tmp_path / "go", tmp_path / "held"
+    holder = _hold_when_asked(out / "a", go, held)
+    _children(monkeypatch, {"a": [sys.executable, "-c", TAKE_AND_FAIL, str(go), str(held)]})
     path = write_variants(tmp_path / "v.json", [entry(command=command)])
     try:
         code, stdout, err = sweep(path, "--out", out)
     finally:
-        if pid_file.exists():
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
-    holder = pid_file.read_text()
+        _release(holder)
     assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder})" in stdout, (stdout, err)
     assert err == "1 variants are running in another process: a; left alone (run the same command when they end)\n"
     assert not (out / "a" / "failed.json").exists() and not (out / "a" / "results.json").exists()
@@ -265,15 +280,15 @@ def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch
 @pytest.mark.parametrize("signal_name, error, code", [("SIGINT", KeyboardInterrupt, 130), ("SIGTERM", Terminated, 143)])
 def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k, tmp_path, monkeypatch, signal_name,
                                                                       error, code):
-    out = tmp_path / "run"
+    out = tmp_path / "run"                                            # 3 steps: the claim is about what comes after
 
     def interrupted(*args, **kwargs):
         raise error()
     monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
-    got, stdout, err = run(*TRAIN, "--out", out)
+    got, stdout, err = run(*SHORT, "--out", out)
     assert got == code and err.count("\n") == 1 and "Traceback" not in err, err
-    again = f"python -m transformer {shlex.join(str(a) for a in [*TRAIN, '--out', out, '--resume'])}"
-    assert err == (f"{signal_name} during the final evaluation: training finished (step 24) and its checkpoints are "
+    again = f"python -m transformer {shlex.join(str(a) for a in [*SHORT, '--out', out, '--resume'])}"
+    assert err == (f"{signal_name} during the final evaluation: training finished (step 3) and its checkpoints are "
                    f"saved in {out}; redo the final evaluation with: {again}\n")
     assert (out / "last.pt").exists() and (out / "best.pt").exists() and not (out / "results.json").exists()
     metrics = (out / "metrics.jsonl").read_text()
@@ -281,30 +296,30 @@ def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k, 
     got, stdout, err = run(*shlex.split(again)[3:])
     assert got == 0, err
     results = json.loads((out / "results.json").read_text())
-    assert results["steps"] == 24 and results["stopped"] == "max_steps"
+    assert results["steps"] == 3 and results["stopped"] == "max_steps"
     assert (out / "metrics.jsonl").read_text() == metrics               # no step trained again
 
 
 @pytest.mark.slow
 def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi30k, tmp_path, monkeypatch):
-    """A run that --max-minutes stopped (here at step 24 of 40) resumes with --max-steps at its step: resumed
+    """A run that --max-minutes stopped (here at step 3 of 5) resumes with --max-steps at its step: resumed
     without it, it would train on."""
     import dataclasses
     out, real = tmp_path / "run", cli_train.train
 
     def by_the_clock(model, examples, val, config, **kwargs):
-        done = real(model, examples, val, dataclasses.replace(config, max_steps=24), **kwargs)
+        done = real(model, examples, val, dataclasses.replace(config, max_steps=3), **kwargs)
         return dataclasses.replace(done, stopped="max_minutes")
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
     monkeypatch.setattr(cli_train, "train", by_the_clock)
     monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
-    got, stdout, err = run(*[a if a != 24 else 40 for a in TRAIN], "--out", out)
-    assert got == 130 and err.endswith(f"--out {out} --resume --max-steps 24\n"), err
+    got, stdout, err = run(*SHORT, "--max-steps", 5, "--out", out)         # the last --max-steps wins
+    assert got == 130 and err.endswith(f"--out {out} --resume --max-steps 3\n"), err
     metrics = (out / "metrics.jsonl").read_text()
     monkeypatch.undo()
     got, stdout, err = run(*shlex.split(err.split("with: ")[1])[3:])
     assert got == 0, err
-    assert json.loads((out / "results.json").read_text())["steps"] == 24
+    assert json.loads((out / "results.json").read_text())["steps"] == 3
     assert (out / "metrics.jsonl").read_text() == metrics
