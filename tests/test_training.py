@@ -51,8 +51,8 @@ def copy_examples(n, vocab=16, lo=3, hi=8, seed=0, reverse=False):
     return out
 
 
-def tiny_config(dropout=0.0, vocab=16):
-    return TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, d_ff=64, h=4, n_layers=2,
+def tiny_config(dropout=0.0, vocab=16, n_layers=2):
+    return TransformerConfig(src_vocab=vocab, tgt_vocab=vocab, d_model=32, d_ff=64, h=4, n_layers=n_layers,
                              dropout=dropout, max_len=64, norm_first=True)
 
 
@@ -361,22 +361,43 @@ def test_checkpoints_record_the_run(tmp_path):
         assert load_checkpoint(tmp_path / name)["run"] == {"tokenizer_sha256": "ab" * 32}
 
 
+def _lock_asker(out, asks, answers):
+    "Another process's view of run_lock(out): for each ask, take the lock and let it go, or say why it could not."
+    for _ in iter(asks.recv, None):
+        try:
+            with run_lock(out):
+                answers.send("ok")
+        except RunDirectoryError as e:
+            answers.send(f"RunDirectoryError: {e}")
+
+
 @pytest.mark.slow
 def test_run_lock_is_exclusive_reentrant_and_leaves_nothing(tmp_path):
-    import subprocess
-    import sys
+    """The other process is forked before this one takes the lock (it holds nothing, as a process that
+    just started; no interpreter or torch to start twice) and asks for the lock when told."""
+    import multiprocessing
     out = tmp_path / "run"
-    with run_lock(out):
-        assert (out / ".lock").read_text().strip() == str(os.getpid())
-        with run_lock(out):                                             # the same process: re-entrant
-            pass
-        other = subprocess.run([sys.executable, "-c", f"from transformer.engine.checkpoints import run_lock\n"
-                                f"with run_lock({str(out)!r}): pass"], capture_output=True, text=True)
-        assert other.returncode == 1 and f"is in use by another run (pid {os.getpid()})" in other.stderr
-    assert list(out.iterdir()) == []                                    # the lock file goes with the lock
-    other = subprocess.run([sys.executable, "-c", f"from transformer.engine.checkpoints import run_lock\n"
-                            f"with run_lock({str(out)!r}): print('ok')"], capture_output=True, text=True)
-    assert other.stdout == "ok\n", other.stderr
+    fork = multiprocessing.get_context("fork")
+    (asks, ask), (answer, answers) = fork.Pipe(duplex=False), fork.Pipe(duplex=False)
+    other = fork.Process(target=_lock_asker, args=(out, asks, answers))
+    other.start()
+    try:
+        with run_lock(out):
+            assert (out / ".lock").read_text().strip() == str(os.getpid())
+            with run_lock(out):                                         # the same process: re-entrant
+                pass
+            ask.send(True)
+            refused = answer.recv()
+            assert refused.startswith("RunDirectoryError: ") and f"is in use by another run (pid {os.getpid()})" \
+                in refused, refused
+        assert list(out.iterdir()) == []                                # the lock file goes with the lock
+        ask.send(True)
+        assert answer.recv() == "ok"                                    # free again: the other process takes it
+        ask.send(None)
+        other.join(30)
+        assert other.exitcode == 0
+    finally:
+        other.kill()
 
 
 def test_run_lock_removes_temp_files_of_a_killed_run(tmp_path):
@@ -594,7 +615,9 @@ def gloo_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo")
     for name in ["plain", *(f"accumulate{r}" for r in RESUME_AT)]:
         (out / name).mkdir()
-    mp.spawn(_gloo_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    # forked, not spawned: the two processes start with torch and this package imported (a spawned
+    # one imports them again, seconds of CPU each); each sets one thread before its first torch op
+    mp.start_processes(_gloo_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     return out
 
 
@@ -775,16 +798,29 @@ def test_label_smoothed_nll_sends_no_gradient_to_padding_and_computes_bf16_in_fl
 # --- the GPU-ready step, proved on the CPU (appendix F) ---------------------------------------
 
 
+def counting_backend(graphs):
+    """A torch.compile backend that keeps each graph Dynamo hands it and runs it as it is (no AOT
+    tracing, no code generation): graphs and graph breaks are Dynamo's, so counting them needs no
+    more. Tracing the backward as inductor would (aot_eager), fullgraph, over five batch shapes, is
+    appendix F's proof (book/f_devices.ipynb, "Proof that the step asks nothing"), for the step the
+    loop compiles."""
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    return backend
+
+
 @pytest.mark.slow
 def test_the_training_step_compiles_into_one_graph_with_no_break():
-    "fullgraph=True fails on any graph break (data-dependent shape, branch on a tensor): forward and backward."
+    "fullgraph=True fails on any graph break (data-dependent shape, branch on a tensor); the grads flow through it."
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = Transformer(tiny_config(0.1))
+    model = Transformer(tiny_config(0.1, n_layers=1))      # Dynamo unrolls the layers: one holds every op
     eager = Seq2SeqLoss(model)
-    step = torch.compile(eager, fullgraph=True, backend="aot_eager")
+    graphs = []
+    step = torch.compile(eager, fullgraph=True, backend=counting_backend(graphs))
     for B, S, T in [(3, 7, 6), (4, 9, 8), (5, 5, 11)]:
         src, tgt = torch.randint(4, 16, (B, S)), torch.randint(4, 16, (B, T))
         src[0, -2:], tgt[1, -1:] = PAD, PAD
@@ -802,6 +838,7 @@ def test_the_training_step_compiles_into_one_graph_with_no_break():
         assert torch.allclose(a[0], b[0], rtol=1e-5) and torch.allclose(a[1], b[1], rtol=1e-5)
         assert all(g is not None and torch.isfinite(g).all() for g in compiled_grads)
     assert counters["stats"]["unique_graphs"] <= 2                      # training graph, evaluation graph
+    assert 1 <= len(graphs) <= 2 and not counters["graph_break"]
 
 
 @pytest.mark.slow
@@ -812,15 +849,16 @@ def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_pat
     from torch._dynamo.utils import counters
     torch._dynamo.reset()
     counters.clear()
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))  # no C++ build
+    graphs = []
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting_backend(graphs)))
     torch.manual_seed(0)
     examples = copy_examples(300, lo=2, hi=14)
-    result = train(Transformer(tiny_config(0.1)), examples, None, quick(max_steps=12, compile=True),
+    result = train(Transformer(tiny_config(0.1, n_layers=1)), examples, None, quick(max_steps=12, compile=True),
                    out_dir=tmp_path, progress=False)
     shapes = {tuple(collate(examples, piece)[0].shape) for step in epoch_batches(examples, 512, 0, 0)[:12]
               for piece in step}
     assert result.step == 12 and len(shapes) > 5                       # many shapes went through it ...
-    assert counters["stats"]["unique_graphs"] == 1                     # ... and one graph served them all
+    assert counters["stats"]["unique_graphs"] == 1 == len(graphs)      # ... and one graph served them all
     assert all(math.isfinite(r["loss"]) for r in result.history)
 
 
@@ -862,17 +900,28 @@ def _ddp_accumulating(rank, out_dir, resume_at):
     torch.save([r["loss"] for r in result.history if r["kind"] == "train"], f"{out_dir}/losses{rank}.pt")
 
 
+@pytest.fixture(scope="module")
+def one_process_accumulating(tmp_path_factory):
+    "What both gloo runs with accumulation are compared with: 1 process x 4 pieces (trained once for the two)."
+    threads = torch.get_num_threads()                      # one thread, as the tests (a module fixture comes first)
+    torch.set_num_threads(1)
+    try:
+        torch.manual_seed(0)
+        single = Transformer(tiny_config())
+        one = train(single, copy_examples(300), copy_examples(20, seed=3),
+                    quick(max_steps=6, batch_tokens=1600, eval_every=3, accum_steps=4),
+                    out_dir=tmp_path_factory.mktemp("one"), progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return single, [r["loss"] for r in one.history if r["kind"] == "train"]
+
+
 @pytest.mark.parametrize("resume_at", RESUME_AT)
 @pytest.mark.slow
-def test_gloo_ddp_with_accumulation_and_resume_matches_one_process(gloo_runs, tmp_path, resume_at):
+def test_gloo_ddp_with_accumulation_and_resume_matches_one_process(gloo_runs, one_process_accumulating, resume_at):
     "2 processes x 2 pieces = 1 process x 4 pieces; and the same after a stop and resume at step 3."
-    torch.manual_seed(0)
-    single = Transformer(tiny_config())
-    one = train(single, copy_examples(300), copy_examples(20, seed=3),
-                quick(max_steps=6, batch_tokens=1600, eval_every=3, accum_steps=4), out_dir=tmp_path / "one",
-                progress=False)
+    single, expected = one_process_accumulating
     two = gloo_runs / f"accumulate{resume_at}"
-    expected = [r["loss"] for r in one.history if r["kind"] == "train"]
     for rank in range(2):
         got = torch.load(two / f"losses{rank}.pt")
         assert got == pytest.approx(expected[resume_at:], rel=1e-5)
