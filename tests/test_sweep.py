@@ -396,6 +396,13 @@ def _children(monkeypatch, commands: dict[str, list[str]]):
     return jobs
 
 
+def _hold_lock(run_dir, says):
+    from transformer.engine.checkpoints import run_lock
+    with run_lock(run_dir):
+        says.send("held")
+        time.sleep(60)
+
+
 @pytest.mark.slow
 def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
     "A run still alive (from an earlier sweep) holds its lock: the sweep neither clears its files nor starts it."
@@ -403,17 +410,21 @@ def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
     (out / "a").mkdir(parents=True)
     for name in ("config.json", "tokenizer.model"):                       # a new run's first files, no last.pt yet
         (out / "a" / name).write_text("{}")
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time\nfrom transformer.engine.checkpoints import run_lock\n"
-                               "with run_lock(sys.argv[1]):\n    print('held', flush=True)\n    time.sleep(60)",
-                               str(out / "a")], stdout=subprocess.PIPE, text=True)
+    # another process holds it: forked (torch and this package come imported), it takes the lock, says
+    # so and sleeps (a fresh interpreter would import torch for it, seconds of CPU)
+    import multiprocessing
+    fork = multiprocessing.get_context("fork")
+    said, says = fork.Pipe(duplex=False)
+    holder = fork.Process(target=_hold_lock, args=(out / "a", says))
+    holder.start()
     try:
-        assert holder.stdout.readline().strip() == "held"
+        assert said.recv() == "held"
         _children(monkeypatch, {"a": [sys.executable, "-c", "pass"], "b": [sys.executable, "-c", "pass"]})
         path = write_variants(tmp_path / "v.json", [{"name": "a", "row": "x"}, {"name": "b", "row": "x"}])
         code, stdout, err = sweep(path, "--out", out, "--jobs", "2")
     finally:
         holder.kill()
-        holder.wait()
+        holder.join()
     assert code == 1 and f"busy   a: {out / 'a'} is in use by another run (pid {holder.pid})" in stdout
     assert "1 variants are running in another process: a; left alone" in err
     assert sorted(p.name for p in (out / "a").iterdir()) == [".lock", "config.json", "tokenizer.model"]
