@@ -7,7 +7,6 @@ import json
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -333,24 +332,34 @@ def test_results_copies_the_small_files_and_collect_reads_them(swept, tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
-    """SIGTERM to `python -m transformer sweep`: the child saves last.pt, the sweep exits 130; the same command (its
-    budget now set) continues the variant with --resume up to --max-steps."""
+    """SIGTERM to the sweep's process: the child saves last.pt, the sweep exits 130; the same command (its budget
+    now set) continues the variant with --resume up to --max-steps. The sweep runs in this process (main(argv), what
+    `python -m transformer sweep` runs: tests/test_cli.py starts that), so that its train children are the only
+    interpreters started; a thread sends this process the SIGTERM once the child saved its first last.pt."""
+    import threading
     out = tmp_path / "runs"
     path = write_variants(tmp_path / "v.json", [{"name": "long", "row": "x", "args": ["--max-steps", "100000"]}])
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "transformer", "sweep", str(path), "--out", str(out),
-                             "--threads", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
+    sent, done = [], threading.Event()
+
+    def stop_when_saved():
         deadline = time.time() + 240
-        while time.time() < deadline and proc.poll() is None and not (out / "long" / "last.pt").exists():
+        while time.time() < deadline and not done.is_set() and not (out / "long" / "last.pt").exists():
             time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGTERM)
-        stdout, err = proc.communicate(timeout=120)
+        if not done.is_set():
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    # a SIGTERM that came after the sweep put back the handler it found is caught here, not the end of pytest
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sent.append("late"))
+    stopper = threading.Thread(target=stop_when_saved, daemon=True)
+    try:
+        stopper.start()
+        code, stdout, err = sweep(path, "--out", out, "--threads", 1)
     finally:
-        proc.kill()
-    assert proc.returncode == 130, err
+        done.set()
+        stopper.join()
+        signal.signal(signal.SIGTERM, previous)
+    assert sent == [True] and code == 130, (stdout, err)                 # stopped by the signal, while running
     assert err.strip() == "sweep stopped; run the same command again to resume"
     state = load_checkpoint(out / "long" / "last.pt")                  # whole, loadable
     step = state["progress"]["step"]
