@@ -297,6 +297,7 @@ def long_corpus(prepared):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")       # a tiny model: a second thread only waits on a busy machine
 def test_training_on_a_prepared_corpus_is_training_on_its_examples(long_corpus, tmp_path):
     from transformer.engine.loop import train
     corpus, examples = long_corpus
@@ -309,6 +310,7 @@ def test_training_on_a_prepared_corpus_is_training_on_its_examples(long_corpus, 
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")       # a tiny model: a second thread only waits on a busy machine
 def test_resume_in_the_middle_of_an_epoch_continues_with_the_next_batch(long_corpus, tmp_path):
     from transformer.engine.loop import train
     corpus, _ = long_corpus
@@ -343,6 +345,7 @@ def _ddp_worker(rank, world_size, port, corpus_dir, out):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("one_thread")       # a tiny model: a second thread only waits on a busy machine
 def test_two_gloo_processes_read_disjoint_shares_of_each_step(long_corpus, tmp_path):
     "Each process reads only its pieces from the shards; together they are the steps, and the losses are one process's."
     import socket
@@ -355,7 +358,10 @@ def test_two_gloo_processes_read_disjoint_shares_of_each_step(long_corpus, tmp_p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_ddp_worker, args=(2, port, str(corpus.dir), str(tmp_path)), nprocs=2, join=True)
+    # forked, not spawned: torch and this package come imported (a spawned process imports them
+    # again, seconds of CPU each); each process sets one thread before its first torch op
+    mp.start_processes(_ddp_worker, args=(2, port, str(corpus.dir), str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1)]
     steps = corpus.epoch_batches(1200, 0, 0, pieces=2)[:4]
     for rank, got in enumerate(ranks):
