@@ -26,7 +26,8 @@ from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, PAD
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+# one thread (the fixture, tests/conftest.py): the models are tiny, a second thread only waits on a busy machine
+pytestmark = [pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors"), pytest.mark.usefixtures("one_thread")]
 
 # one thread: on a busy two-core machine two OpenMP threads wait on each other (slow, not wrong)
 SMALL_RUN = ["--preset", "tiny", "--device", "cpu", "--repeats", "2", "--batches", "2", "--max-tokens", "400",
