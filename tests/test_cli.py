@@ -111,8 +111,8 @@ def _release(pid: int):
     os.waitpid(pid, 0)
 
 
-# small on purpose: 800-token steps, 8 sentences scored (an untrained model writes to the length cap)
-TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 8,
+# small on purpose: 800-token steps, 4 sentences scored (an untrained model writes to the length cap)
+TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--eval-sentences", 4,
          "--vocab-size", 1000, "--beam", 2, "--threads", 1, "--quiet", "--no-download", "--log-every", 4,
          "--average", 3, "--snapshot-every", 6, "--batch-tokens", 800]
 
@@ -763,11 +763,12 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
 
 @pytest.mark.slow
 def test_two_trainings_into_one_directory(multi30k, tmp_path):
-    "Started together: one trains, the other is refused with one line; the run left is whole and consistent."
+    """Started together: one trains, the other is refused with one line; the run left is whole and consistent. One
+    runs in another process (`python -m transformer train`), the other meanwhile in this one (no second import)."""
     out = tmp_path / "both"
-    de_en = _cli(*SHORT, "--out", out)                              # 3 steps: the claim needs no more
-    fr_en = _cli(*SHORT, "--src", "fr", "--out", out)
-    results = [(p.wait(timeout=600), p.stdout.read(), p.stderr.read()) for p in (de_en, fr_en)]
+    fr_en = _cli(*SHORT, "--src", "fr", "--out", out)               # 3 steps: the claim needs no more
+    results = [run(*SHORT, "--out", out)]                           # de-en, while fr-en starts
+    results.append((fr_en.wait(timeout=600), fr_en.stdout.read(), fr_en.stderr.read()))
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 1], results
     code, _, err = next(r for r in results if r[0] == 1)
@@ -874,7 +875,8 @@ def test_the_shipped_model_translates_on_a_fresh_clone():
 
 # --- issue 15: the model shape flags -------------------------------------------------------------------------------
 
-SHORT = ["train", "--preset", "tiny", "--max-steps", 3, "--eval-every", 3, "--eval-sentences", 8, "--vocab-size", 300,
+# small on purpose: 3 steps, 4 sentences scored (an untrained model writes to the length cap)
+SHORT = ["train", "--preset", "tiny", "--max-steps", 3, "--eval-every", 3, "--eval-sentences", 4, "--vocab-size", 300,
          "--batch-tokens", 600, "--beam", 1, "--threads", 1, "--quiet", "--no-download"]
 SHAPE = ["--d-model", 32, "--d-ff", 48, "--heads", 2, "--d-k", 8, "--layers", 1, "--positions", "learned",
          "--norm", "post"]
@@ -953,43 +955,34 @@ def small(multi30k, tmp_path_factory):
     return out
 
 
-@pytest.mark.slow
-def test_a_run_from_before_subword_dropout_resumes(small, tmp_path):
-    "config.json and last.pt without the field: the run trained with its default, 0."
-    from transformer.engine.checkpoints import load_checkpoint
-    out = tmp_path / "run"
-    shutil.copytree(small, out)
-    config = json.loads((out / "config.json").read_text())
-    del config["train"]["subword_dropout"]
-    (out / "config.json").write_text(json.dumps(config))
-    state = load_checkpoint(out / "last.pt")
-    del state["train_config"]["subword_dropout"]
-    torch.save(state, out / "last.pt")
-    code, _, err = run(*[a if a != 3 else 5 for a in SHORT], *SMALL, "--out", out, "--resume")
-    assert code == 0, err
-
-
-def _strip_new_fields(run_dir, checkpoints=()):
-    "Make a run look as if written before `positions` and `d_k` existed."
+def _strip_new_fields(run_dir, checkpoints=(), subword_dropout=False):
+    """Make a run look as if written before `positions` and `d_k` existed (in config.json and `checkpoints`), and with
+    `subword_dropout`, before that field too (in config.json and last.pt: the run trained with its default, 0)."""
     config = json.loads((run_dir / "config.json").read_text())
     for key in ("positions", "d_k"):
         del config["model"][key]
+    if subword_dropout:
+        del config["train"]["subword_dropout"]
     (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     for name in checkpoints:
         state = torch.load(run_dir / name, weights_only=True)
         for key in ("positions", "d_k"):
             del state["model_config"][key]
+        if subword_dropout and name == "last.pt":
+            del state["train_config"]["subword_dropout"]
         torch.save(state, run_dir / name)
 
 
-@pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")], ids=["config.json", "config.json+last.pt"])
+@pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")],
+                         ids=["config.json", "config.json+last.pt, and from before subword dropout"])
 @pytest.mark.slow
 def test_resume_of_a_run_from_before_the_shape_fields(small, tmp_path, checkpoints):
-    "A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults."
+    """A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults.
+    The second also lacks subword_dropout in config.json and last.pt (a run from before subword dropout resumes)."""
     out = tmp_path / "run"
     shutil.copytree(small, out)
     (out / "results.json").unlink()
-    _strip_new_fields(out, checkpoints)
+    _strip_new_fields(out, checkpoints, subword_dropout=bool(checkpoints))
     more = [*SHORT, "--max-steps", 5]                               # the last --max-steps wins
     code, _, err = run(*more, *SMALL, "--out", out, "--resume")
     assert code == 0, err
@@ -1018,7 +1011,7 @@ def prepared_multi30k(multi30k, tmp_path_factory):
     return out
 
 
-ONSHARDS = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "--eval-sentences", 8, "--beam", 1,
+ONSHARDS = ["train", "--preset", "tiny", "--max-steps", 4, "--eval-every", 4, "--eval-sentences", 4, "--beam", 1,
          "--threads", 1, "--quiet", "--log-every", 1, "--average", 0]
 
 

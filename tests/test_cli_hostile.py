@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from test_cli import SHORT, _hold, _release, assert_one_line_error, global_state, kept_state, run  # noqa: F401
 from test_sweep import _children, sweep, write_variants
 
@@ -35,6 +36,7 @@ SENTENCES = ["Ein Hund läuft.", "Zwei Männer."]
 def alone():
     "Each sentence translated on its own, as an argument."
     with kept_state():
+        torch.set_num_threads(1)                                    # as `one_thread` does for the tests
         return [run("translate", "--model", MODEL, "--beam", 1, s)[1] for s in SENTENCES]
 
 
