@@ -257,9 +257,11 @@ def test_tiny_model_learns_to_copy(copier_run):
     history = json.loads((copier_run / "history.json").read_text())
     result = json.loads((copier_run / "result.json").read_text())
     evals = [r["val_nll"] for r in history if r["kind"] == "eval"]
-    # from guessing to copying; over seeds 0-5 (one thread) evals[0] was 1.37-1.59, min(evals[-2:]) 0.001-0.012
+    # from guessing to copying; over seeds 0-5 (one thread; seed 1 is the second regime's seed 0), 250 steps:
+    # evals[0] 1.37-1.59 (worst: seed 3, a margin of 0.37), min(evals[-2:]) 0.009-0.022 (worst: seed 5, a
+    # margin of 0.18); at 400 steps it was 0.001-0.012
     assert evals[0] > 1.0 and min(evals[-2:]) < 0.2, evals
-    assert result["stopped"] == "max_steps" and result["step"] == 400 and result["tokens"] > 0
+    assert result["stopped"] == "max_steps" and result["step"] == 250 and result["tokens"] > 0
     assert result["tokens_per_second"] > 0 and len(history) > 0
 
 
