@@ -162,20 +162,20 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
                                           n_layers=2, dropout=0.0, max_len=64, norm_first=True,
                                           arch="prefix-lm"))
     result = train(model, copy_examples(3000, 1), copy_examples(100, 2),
-                   TrainConfig(batch_tokens=512, max_steps=600, warmup=50, lr_scale=0.3,
+                   TrainConfig(batch_tokens=512, max_steps=450, warmup=50, lr_scale=0.3,
                                eval_every=200, label_smoothing=0.0),
                    out_dir=tmp_path, progress=False)
     last = [h for h in result.history if "val_nll" in h][-1]
-    # batches of 512 tokens (1024 before: 20 seeds gave 0.004 to 0.091, 23 to 30 copies). Measured at 512, one
-    # thread, over model seeds 0-5 each with its own data (seed s > 0: copy_examples seeds 1+100s, 2+100s, 5+100s)
-    # and on this data under the second regime (TRANSFORMER_SEED_SHIFT=1, OMP_NUM_THREADS=1): val_nll 0.021 to
-    # 0.091 (worst: seed 4), 24 to 30 copies (worst: this data, shifted seed); untrained 3.6 to 4.0, 200 steps
-    # of 1024 tokens 0.47 to 0.62 and 9 to 13 copies
-    assert last["val_nll"] < 0.25        # worst 0.091: a margin of 0.16
+    # 450 steps of 512 tokens (600 of 1024 before: 20 seeds gave 0.004 to 0.091, 23 to 30 copies). Measured
+    # at 450 x 512, one thread, over model seeds 0-5 each with its own data (seed s > 0: copy_examples seeds
+    # 1+100s, 2+100s, 5+100s) and on this data under the second regime (TRANSFORMER_SEED_SHIFT=1,
+    # OMP_NUM_THREADS=1): val_nll 0.074 to 0.115 (worst: seed 3), 23 to 28 copies (worst: seeds 2 and 5);
+    # untrained 3.6 to 4.0, 200 steps of 1024 tokens 0.47 to 0.62 and 9 to 13 copies
+    assert last["val_nll"] < 0.25        # worst 0.115: a margin of 0.13
     held = copy_examples(30, 5)
     src, _ = pad_batch([s for s, _ in held])
     got = greedy_search(model.eval(), src)
-    assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 18   # worst 24: a margin of 6
+    assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 18   # worst 23: a margin of 5
 
 
 def cli(*argv):
