@@ -146,7 +146,7 @@ def test_dropout_is_applied_to_the_weights():
     torch.manual_seed(0)
     out, w = scaled_dot_product_attention(q, k, v, dropout_p=0.5, need_weights=True)
     zeros = (w == 0).double().mean().item()
-    assert 0.4 < zeros < 0.6
+    assert 0.3 < zeros < 0.7          # 210 weights, p = 0.5: 0.419-0.600 over seeds 0-199 (0.6 was hit once)
     torch.testing.assert_close(out, w @ v)
     a, _ = scaled_dot_product_attention(q, k, v, dropout_p=0.5)
     b, _ = scaled_dot_product_attention(q, k, v)
