@@ -615,7 +615,6 @@ def test_cap_kernel_cache_takes_effect_after_importing_the_package_and_yields_to
     assert _kernel_cache(1) == ("set", ["cache_miss"] * 3)
 
 
-
 def test_cap_kernel_cache_yields_to_the_older_name_of_the_variable(monkeypatch):
     "The older name of the variable counts as the user's choice too (read from os.environ: no fresh process needed)."
     from transformer.cli.train import cap_kernel_cache
