@@ -42,7 +42,7 @@ def test_greedy_and_beam_copy_exactly(copier):
     held_out = copy_examples(60, seed=5)
     src, _ = pad_batch([s for s, _ in held_out])
     want = [t[1:-1] for _, t in held_out]
-    # all 60 on most seeds, 55 at worst over 25 (an untrained model copies none)
+    # 57-59 of 60 over seeds 0-5 of the 250-step copier (conftest; an untrained model copies none)
     for got in (greedy_search(copier, src), beam_search(copier, src, beam_size=4),
                 beam_search(copier, src, beam_size=3, alpha=0.0)):
         assert sum(g == w for g, w in zip(got, want)) >= 50
