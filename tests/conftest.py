@@ -53,6 +53,7 @@ FIXTURE_MARKS = {
     "swept": ("slow",),                             # tests/test_sweep.py: a real sweep
     "copier": ("slow",), "copier_run": ("slow",),   # a model trained to copy (below)
     "alone": ("slow",),                             # tests/test_cli_hostile.py: the shipped model translates
+    "prepared_multi30k": ("slow",),                 # tests/test_cli.py: `prepare` over the whole corpus
 }
 
 
