@@ -47,13 +47,13 @@ def evaluations(monkeypatch):
     monkeypatch.setattr(loop._Loop, "step", timed_step)
     monkeypatch.setattr(loop._Loop, "evaluate", counted_evaluate)
 
-    def run(tmp_path, **config):
+    def run(tmp_path, eval_share=None, **config):
         torch.manual_seed(0)
         model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1,
                                               dropout=0.0, max_len=32))
         base = dict(batch_tokens=256, warmup=10, eval_every=10, log_every=5, max_steps=1000)
         result = train(model, examples(100, 1), examples(8, 2), TrainConfig(**{**base, **config}),
-                       out_dir=tmp_path, progress=False, on_eval=timed_eval)
+                       out_dir=tmp_path, progress=False, on_eval=timed_eval, eval_share=eval_share)
         return result, calls
     run.clock = now                  # the fake clock's reading: where a run ended, in its seconds
     return run
@@ -94,3 +94,30 @@ def test_a_run_that_ends_on_its_evaluation_keeps_its_last_step_as_a_snapshot(tmp
     assert result.step == 10 and calls == [10]
     assert sorted(p.name for p in tmp_path.glob("step-*.pt")) == ["step-0000004.pt", "step-0000008.pt",
                                                                    "step-0000010.pt"]
+
+
+def test_eval_share_keeps_the_evaluations_within_their_share_of_the_run(tmp_path, evaluations):
+    """A step 1 s, an evaluation 5 s, one due every 10 steps: without `eval_share` all 30 run (5 s of every 15:
+    a third of the run). With 0.1 an evaluation is put off while it would pass a tenth of the time so far; the first
+    and the final one run, each at a multiple of eval_every or at the end, and the share ends near 0.1, not 1/3."""
+    result, calls = evaluations(tmp_path, max_steps=300, eval_share=0.1)
+    assert calls[0] == 10 and calls[-1] == 300 and all(s % 10 == 0 for s in calls)
+    assert 3 < len(calls) < 30
+    clock = evaluations.clock[0]
+    assert clock == 300 + 5 * len(calls)
+    assert 5 * (len(calls) - 1) <= 0.1 * (clock - 5)                # every evaluation but the final one within 10 %
+    assert 5 * len(calls) / clock > 0.05                             # put off, not dropped: the share is used
+    saved = [r["step"] for r in result.history if r["kind"] == "eval"]
+    assert saved == calls
+
+
+def test_without_eval_share_every_due_evaluation_runs(tmp_path, evaluations):
+    result, calls = evaluations(tmp_path, max_steps=60)
+    assert calls == [10, 20, 30, 40, 50, 60]
+
+
+@pytest.mark.parametrize("share", [0, 1, 1.5, -0.1])
+def test_an_eval_share_outside_0_1_is_refused(tmp_path, share):
+    with pytest.raises(ValueError, match="eval_share=.* must lie between 0 and 1"):
+        train(Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1)),
+              examples(4), None, TrainConfig(max_steps=1), eval_share=share)

@@ -146,7 +146,7 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
           config: TrainConfig | None = None, *,
           out_dir: str | os.PathLike | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
-          run: dict | None = None) -> TrainResult:
+          run: dict | None = None, eval_share: float | None = None) -> TrainResult:
     """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a
     list, a function of the epoch that returns that epoch's list (`SubwordDropout`), or a
     prepared corpus (appendix A.1's `ShardedCorpus`, batched from its lengths).
@@ -158,7 +158,11 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
     picks `best.pt`); with several processes every one calls it. `run` is recorded in
     every checkpoint (see `save_checkpoint`). Ctrl-C or SIGTERM stops after the
     current step and saves `last.pt` (`stopped="interrupted"`). Runs under torchrun
-    with DDP when a process group exists."""
+    with DDP when a process group exists. `eval_share` (e.g. 0.1, the command line's
+    default) caps the evaluations' share of the run's time: an evaluation due every
+    `eval_every` steps is put off to a later multiple while it would pass that share,
+    timed as the last one took; `last.pt` is still saved every `eval_every` steps, and
+    the first and the final evaluations always run."""
     config = config or TrainConfig()
     if not train_examples:
         raise ValueError("train_examples is empty; "
@@ -176,11 +180,15 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
                    else getattr(train_examples, "fixed", None) or train_examples(0),
                    model.config, "train_examples")
     check_examples(val_examples or [], model.config, "val_examples")
+    if eval_share is not None and not 0 < eval_share < 1:
+        raise ValueError(f"eval_share={eval_share!r} must lie between 0 and 1 (the share "
+                         "of the run's time its evaluations may take, e.g. 0.1); None "
+                         "evaluates every eval_every steps")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume=True needs out_dir, the directory that holds last.pt")
     loop = _Loop(model, train_examples, val_examples, config, out, on_eval, progress,
-                 run)
+                 run, eval_share)
     if out is None or world()[0] != 0:
         return loop.run(resume)
     with run_lock(out):
@@ -205,7 +213,7 @@ class _Loop:
     evaluation, a save)."""
 
     def __init__(self, model, examples, val_examples, config, out, on_eval, progress,
-                 run):
+                 run, eval_share=None):
         # a list, or a function of the epoch (the pairs segmented anew, `SubwordDropout`)
         self.examples_of = examples if callable(examples) else (lambda epoch: examples)
         self.model, self.val_examples = model, val_examples
@@ -231,6 +239,7 @@ class _Loop:
         self.best, self.saved_step, self.history = None, None, []
         self.writer = CheckpointWriter()   # appendix E: checkpoints written in the background
         self.last_eval_seconds = 0.0                 # the latest evaluation's time
+        self.eval_share, self.evaluated = eval_share, False   # evaluations' time share
         self.step_seconds = 0.0                      # the latest step's time
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
@@ -315,7 +324,8 @@ class _Loop:
                     snap = c.keep_checkpoints and (
                         step % (c.snapshot_every or c.eval_every) == 0
                         or (done and stopped != "interrupted"))
-                    evaluate = ((step % c.eval_every == 0 or done)
+                    due = step % c.eval_every == 0
+                    evaluate = (((due and self.evaluation_fits()) or done)
                                 and stopped != "interrupted")
                     if step % c.log_every == 0 or done:
                         self.log_train(lr, bar)     # reads the device; raises on NaN
@@ -330,7 +340,7 @@ class _Loop:
                             done, stopped = True, "max_minutes"
                             if c.keep_checkpoints and not snap:
                                 self.snapshot()         # the last snapshot is the last step
-                    if evaluate or done:
+                    if due or evaluate or done:
                         self.save("last.pt")
                     if done:
                         break
@@ -415,6 +425,20 @@ class _Loop:
             interrupted, late = flags[0] > 0, flags[1] > 0
         return "interrupted" if interrupted else "max_minutes" if late else None
 
+    def evaluation_fits(self) -> bool:
+        """Whether an evaluation due now keeps the evaluations within `eval_share` of the
+        run's time so far (this one timed as the last one took). Always true without
+        `eval_share` and before the first evaluation (nothing timed yet); process 0
+        decides for all, since every process evaluates or none does."""
+        if self.eval_share is None or not self.evaluated:
+            return True
+        spent, next_one = self.at["eval_seconds"], self.last_eval_seconds
+        fits = spent + next_one <= self.eval_share * (self.clock() + next_one)
+        if self.world_size > 1:
+            fits = all_sum(torch.tensor([float(fits and self.rank == 0)],
+                                        device=self.device)).item() > 0
+        return fits
+
     def no_time_after_eval(self) -> bool:
         """Right after an evaluation that did not end the run: would one more step (or
         `log_every` of them with several processes) and the final evaluation, at the cost
@@ -488,7 +512,7 @@ class _Loop:
         self.at["seconds"] = self.clock()
         spent = time.perf_counter() - start
         self.at["eval_seconds"] += spent
-        self.last_eval_seconds = spent
+        self.last_eval_seconds, self.evaluated = spent, True
         self.window_start = (self.window_start[0], self.window_start[1] + spent)
 
     def save(self, name: str) -> None:
