@@ -11,7 +11,7 @@ from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoin
 from transformer.engine.fast import beam_search, greedy_search
 from transformer.engine.loop import train
 from transformer.model import Transformer, TransformerConfig
-from transformer.modern.gpt import DecoderOnly, build_model, pack, sequence_mask
+from transformer.modern.gpt import DecoderOnly, DecoderOnlyConfig, build_model, pack, sequence_mask
 from transformer.tokens import BOS, EOS, PAD, pad_batch
 from transformer.training import TrainConfig
 
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def config(arch="decoder-only", vocab=40, **kw):
-    return TransformerConfig.preset("tiny", src_vocab=vocab, tgt_vocab=vocab, arch=arch, **kw)
+    return DecoderOnlyConfig.preset("tiny", src_vocab=vocab, tgt_vocab=vocab, arch=arch, **kw)
 
 
 def batch(seed=0, vocab=40):
@@ -103,7 +103,7 @@ def test_build_model_and_checkpoints_round_trip(tmp_path):
     torch.manual_seed(0)
     model = build_model(config("prefix-lm")).eval()
     assert isinstance(model, DecoderOnly)
-    assert isinstance(build_model(config("encoder-decoder")), Transformer)
+    assert isinstance(build_model(TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=40)), Transformer)
     save_checkpoint(tmp_path / "m.pt", model)
     back = model_from_checkpoint(tmp_path / "m.pt")
     assert isinstance(back, DecoderOnly) and back.config == model.config
@@ -114,21 +114,43 @@ def test_build_model_and_checkpoints_round_trip(tmp_path):
 def test_equal_parameters_at_seven_layers():
     V = 8000
     enc_dec = Transformer(TransformerConfig.preset("small", src_vocab=V, tgt_vocab=V))
-    seven = DecoderOnly(TransformerConfig.preset("small", src_vocab=V, tgt_vocab=V,
-                                                 arch="decoder-only", n_layers=7))
+    seven = DecoderOnly(DecoderOnlyConfig.preset("small", src_vocab=V, tgt_vocab=V, n_layers=7))
     assert abs(seven.num_parameters() / enc_dec.num_parameters() - 1) < 1e-3
 
 
 @pytest.mark.parametrize("make, match", [
-    (lambda: Transformer(config("decoder-only")), "DecoderOnly"),
-    (lambda: DecoderOnly(config("encoder-decoder")), "Transformer"),
-    (lambda: DecoderOnly(TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=30,
+    (lambda: config("encoder-decoder"), "arch='encoder-decoder' is not one of 'decoder-only', 'prefix-lm'"),
+    (lambda: DecoderOnly(TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=40)), "Transformer"),
+    (lambda: DecoderOnly(DecoderOnlyConfig.preset("tiny", src_vocab=40, tgt_vocab=30,
                                                   arch="prefix-lm")), "one vocabulary"),
     (lambda: config("gpt"), "arch='gpt' is not one of"),
 ])
 def test_bad_configs(make, match):
     with pytest.raises(ValueError, match=match):
         make()
+
+
+def test_chapter_7_1s_config_knows_no_arch_and_configs_written_with_it_still_read(tmp_path):
+    "Issue 42: `arch` is chapter 19.1's field; config.json files and checkpoints that carry it still load."
+    with pytest.raises(TypeError, match="arch"):
+        TransformerConfig(src_vocab=40, tgt_vocab=40, arch="decoder-only")
+    enc_dec = TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=40)
+    assert "arch" not in enc_dec.to_dict() and config("prefix-lm").to_dict()["arch"] == "prefix-lm"
+    old = {**enc_dec.to_dict(), "arch": "encoder-decoder"}        # as chapter 7.1's config wrote it before
+    assert TransformerConfig.from_dict(old) == enc_dec and type(build_model(old)) is Transformer
+    gpt = {**enc_dec.to_dict(), "arch": "prefix-lm"}
+    assert TransformerConfig.from_dict(gpt) == config("prefix-lm") and type(build_model(gpt)) is DecoderOnly
+    assert type(build_model(enc_dec)) is Transformer and type(build_model(config())) is DecoderOnly
+    # what `train --arch` does (transformer/cli/train.py): a preset with `arch` is chapter 19.1's config
+    assert TransformerConfig.preset("tiny", src_vocab=40, tgt_vocab=40, arch="decoder-only") == config()
+    with pytest.raises(ValueError, match=r"unknown TransformerConfig fields \['arch'\]"):
+        TransformerConfig.from_dict({**enc_dec.to_dict(), "arch": "gpt"})
+    torch.manual_seed(0)
+    for model in (Transformer(enc_dec), DecoderOnly(config("prefix-lm"))):
+        state = torch.load(save_checkpoint(tmp_path / "a.pt", model), weights_only=True)
+        state["model_config"].setdefault("arch", "encoder-decoder")   # a checkpoint from before the move
+        back = model_from_checkpoint(state)
+        assert type(back) is type(model) and back.config == model.config
 
 
 def test_bad_inputs():
@@ -158,7 +180,7 @@ def copy_examples(n, seed, vocab=16):
 @pytest.mark.slow
 def test_the_decoder_only_model_learns_to_copy(tmp_path):
     torch.manual_seed(0)
-    model = DecoderOnly(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
+    model = DecoderOnly(DecoderOnlyConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
                                           n_layers=2, dropout=0.0, max_len=64, norm_first=True,
                                           arch="prefix-lm"))
     result = train(model, copy_examples(3000, 1), copy_examples(100, 2),

@@ -49,7 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -629,10 +629,22 @@ def check_preset(name: str, overrides: dict, presets: dict) -> None:
                         f"(the vocab_size of your tokenizer)")
 
 
+ARCH_CONFIGS: dict[str, type] = {}  # chapter 19.1's `arch` -> its config class (modern.gpt adds it)
+
+
 def config_from_dict(cls, d: dict):
     """`cls(**d)` for a config dataclass, an unknown field refused by name: the one
-    `from_dict` of every config (chapter 7.1's `TransformerConfig`, chapter 8's `TrainConfig`)."""
+    `from_dict` of every config (chapter 7.1's `TransformerConfig`, chapter 8's `TrainConfig`).
+    Chapter 19.1's field `arch`, which chapter 7.1's config held before (config.json and
+    checkpoints of older runs): "encoder-decoder" reads as `cls`, another as the subclass
+    `transformer.modern.gpt` registered for it in `ARCH_CONFIGS`."""
     known = {f.name for f in fields(cls)}
+    if "arch" in d and "arch" not in known:
+        kind = ARCH_CONFIGS.get(d["arch"])
+        if kind is not None and issubclass(kind, cls):
+            return config_from_dict(kind, d)
+        if d["arch"] == "encoder-decoder":
+            d = {k: v for k, v in d.items() if k != "arch"}
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}; "

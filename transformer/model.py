@@ -22,7 +22,7 @@ PRESETS: dict[str, dict] = {
     "base":  dict(d_model=512,  d_ff=2048, h=8,  n_layers=6, dropout=0.1),  # Table 3
     "big":   dict(d_model=1024, d_ff=4096, h=16, n_layers=6, dropout=0.3),  # Table 3
 }
-ARCHS = ("encoder-decoder", "decoder-only", "prefix-lm")
+ARCHS = ("encoder-decoder", "decoder-only", "prefix-lm")  # chapter 19.1's, for the CLI
 # the position schemes of chapter 5, by the name a config gives them
 POSITIONS = {"sinusoidal": PositionalEncoding, "learned": LearnedPositionalEmbedding,
              "none": NoPositions}
@@ -46,16 +46,15 @@ class TransformerConfig:
     pad_id: int = PAD
     positions: str = "sinusoidal"   # chapter 5: "sinusoidal", "learned" or "none"
     d_k: int | None = None          # query/key width per head (Table 3, B); None: d_model/h
-    arch: str = "encoder-decoder"   # or chapter 19.1's "decoder-only" and "prefix-lm"
 
     def __post_init__(self):
-        check_config(self, {"positions": POSITIONS, "arch": ARCHS})  # appendix A
+        check_config(self, {"positions": POSITIONS})  # appendix A
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "TransformerConfig":
         "A named size (`tiny`, `small`, `base`, `big`), any field overridden; vocabs required."
         check_preset(name, overrides, PRESETS)
-        return cls(**{**PRESETS[name], **overrides})
+        return config_from_dict(cls, {**PRESETS[name], **overrides})
 
     def to_dict(self) -> dict:
         "Plain values only: what a checkpoint stores."
@@ -72,10 +71,6 @@ class Transformer(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
         c = self.config = config
-        if c.arch != "encoder-decoder":
-            raise ValueError(f"Transformer builds the encoder-decoder; arch={c.arch!r} is "
-                             "chapter 19.1's DecoderOnly (transformer.modern.gpt.build_model "
-                             "builds either)")
         self.src_embed = Embeddings(c.src_vocab, c.d_model, padding_idx=c.pad_id)
         self.tgt_embed = Embeddings(c.tgt_vocab, c.d_model, padding_idx=c.pad_id)
         self.pos = POSITIONS[c.positions](c.d_model, c.dropout, c.max_len)  # both sides share it

@@ -24,9 +24,9 @@ from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'checkpoint_state',
-           'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'model_from_checkpoint', 'host_copy',
-           'CheckpointWriter', 'TrainingError', 'read_metrics', 'truncate_metrics', 'check_resumable',
-           'load_optimizer_state']
+           'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'read_model_config',
+           'model_from_checkpoint', 'host_copy', 'CheckpointWriter', 'TrainingError', 'read_metrics',
+           'truncate_metrics', 'check_resumable', 'load_optimizer_state']
 
 # %% ../../book/e_checkpoints.ipynb #e004
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
@@ -242,6 +242,16 @@ def _check_tensors(weights: dict, model: nn.Module, name: str) -> None:
                 f"{tuple(w.shape)} {w.dtype}; the file is damaged or was edited")
 
 
+def read_model_config(d: dict) -> TransformerConfig:
+    """A checkpoint's `model_config` as its dataclass: chapter 7.1's `TransformerConfig`, or
+    chapter 19.1's `DecoderOnlyConfig` where `arch` names a decoder-only model (chapter 19.1
+    imported only then: training the paper's model never imports `transformer.modern`)."""
+    if isinstance(d, dict) and d.get("arch", "encoder-decoder") != "encoder-decoder":
+        from transformer.modern.gpt import DecoderOnlyConfig
+        return DecoderOnlyConfig.from_dict(d)
+    return TransformerConfig.from_dict(d)
+
+
 def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                           name: str | None = None) -> Transformer:
     """Rebuild the `Transformer` a checkpoint (or checkpoint file) describes, weights
@@ -252,7 +262,7 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                     else str(checkpoint))
     state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     try:
-        config = TransformerConfig.from_dict(state["model_config"])
+        config = read_model_config(state["model_config"])
         need, have = model_bytes(config), _memory_bytes()
         if have is not None and need > have:
             raise CheckpointError(
@@ -270,7 +280,7 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                 f"{name} holds NaN or infinite weights ({bad}): "
                 f"the run diverged or the file is damaged; "
                 f"use another checkpoint (--checkpoint best, last or averaged)")
-        if config.arch == "encoder-decoder":
+        if type(config) is TransformerConfig:
             model = Transformer(config)
         else:  # chapter 19.1's decoder-only models, imported only when one is loaded
             from transformer.modern.gpt import DecoderOnly
@@ -410,7 +420,7 @@ def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None
     snapshots (`step-*.pt`) newer than `saved`, an abandoned trajectory's."""
     saved_model = saved.get("model_config", {})
     try:  # a checkpoint from before a field existed has its default
-        saved_model = TransformerConfig.from_dict(saved_model).to_dict()
+        saved_model = read_model_config(saved_model).to_dict()
     except (TypeError, ValueError, AttributeError):
         pass  # not a config this package can build: the comparison below says how
     if saved_model != model.config.to_dict():

@@ -3,16 +3,19 @@
 # %% ../../book/19_1_gpt.ipynb #g003
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..blocks import Encoder
+from ..data import ARCH_CONFIGS, check_config
 from ..engine.fast import KVCache, cached_encoder_layer
 from ..model import POSITIONS, Transformer, TransformerConfig
 from ..tokens import Embeddings
 
 # %% auto #0
-__all__ = ['pack', 'sequence_mask', 'DecoderOnly', 'PrefixState', 'build_model', 'CachedState']
+__all__ = ['ARCHS', 'pack', 'sequence_mask', 'DecoderOnlyConfig', 'DecoderOnly', 'PrefixState', 'build_model', 'CachedState']
 
 # %% ../../book/19_1_gpt.ipynb #g005
 def pack(src: torch.Tensor, tgt_in: torch.Tensor, pad_id: int
@@ -42,6 +45,21 @@ def sequence_mask(seq: torch.Tensor, n_src: torch.Tensor, pad_id: int,
     return (allowed & keys)[:, None]                                    # (B, 1, L, L)
 
 # %% ../../book/19_1_gpt.ipynb #g011
+ARCHS = ("encoder-decoder", "decoder-only", "prefix-lm")  # what `train --arch` offers
+
+
+@dataclass
+class DecoderOnlyConfig(TransformerConfig):
+    "Chapter 7.1's sizes, and the kind of single stack: causal or a prefix LM."
+    arch: str = "decoder-only"  # or "prefix-lm"
+
+    def __post_init__(self):
+        check_config(self, {"positions": POSITIONS, "arch": ARCHS[1:]})  # appendix A
+
+
+ARCH_CONFIGS.update(dict.fromkeys(ARCHS[1:], DecoderOnlyConfig))  # from_dict reads them
+
+
 class DecoderOnly(nn.Module):
     """A decoder-only translator from the book's own parts: one stack of chapter 6's
     self-attention layers over `source + target` (GPT's shape), causal
@@ -49,12 +67,12 @@ class DecoderOnly(nn.Module):
     It answers to the training loop and to chapter 9's searches like `Transformer`:
     `features(src, tgt_in)`, `generator`, `config`, and `decoding_state`."""
 
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: DecoderOnlyConfig):
         super().__init__()
         c = self.config = config
-        if c.arch not in ("decoder-only", "prefix-lm"):
-            raise ValueError(f"DecoderOnly builds arch='decoder-only' or 'prefix-lm', "
-                             f"not {c.arch!r}; the encoder-decoder is Transformer(config)")
+        if not isinstance(c, DecoderOnlyConfig):
+            raise ValueError(f"DecoderOnly builds a DecoderOnlyConfig, not a {type(c).__name__}; "
+                             "the encoder-decoder is Transformer(config)")
         if c.src_vocab != c.tgt_vocab:
             raise ValueError("one sequence holds source and target, so one vocabulary: "
                              f"src_vocab={c.src_vocab} != tgt_vocab={c.tgt_vocab}")
@@ -132,9 +150,12 @@ class PrefixState:
         "Beam search's rows of one sentence share its source: nothing to move."
 
 
-def build_model(config: TransformerConfig) -> nn.Module:
-    "The model a config describes: `Transformer`, or `DecoderOnly` for its archs."
-    return Transformer(config) if config.arch == "encoder-decoder" else DecoderOnly(config)
+def build_model(config: TransformerConfig | dict) -> nn.Module:
+    """The model a config (or its `to_dict`, any version's) describes: `DecoderOnly` for a
+    `DecoderOnlyConfig`, chapter 7.1's `Transformer` for its `TransformerConfig`."""
+    if isinstance(config, dict):
+        config = TransformerConfig.from_dict(config)  # a DecoderOnlyConfig where it has arch
+    return DecoderOnly(config) if isinstance(config, DecoderOnlyConfig) else Transformer(config)
 
 # %% ../../book/19_1_gpt.ipynb #g012b
 class CachedState:
