@@ -39,7 +39,7 @@ FOREIGN = {"model": ("model.safetensors",),
 # %% auto #0
 __all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'FOREIGN', 'WMT14_DE_EN', 'WMT14_URLS', 'count_lines',
            'stream_lines', 'aligned_files', 'stream_pairs', 'sample_texts', 'RunDirectoryError', 'run_lock', 'prepare',
-           'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main', 'wmt14_text']
+           'Pairs', 'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main', 'wmt14_text']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
 def _opener(path: Path):
@@ -342,7 +342,84 @@ def _damaged(path: Path, what: str) -> DataError:
                      f"rebuild {path.parent}")
 
 
-class ShardedCorpus:
+class Pairs:
+    """`(source ids, target ids)` pairs laid out as `prepare` writes them: per shard, the
+    source tokens end to end, the target tokens end to end, and an index of (source offset,
+    length, target offset, length) per pair; the lengths of every pair as two int32 arrays.
+    `Pairs.of(examples)` packs a list of pairs (`make_examples`') into one in-memory shard;
+    `ShardedCorpus` maps a prepared corpus's shards from the disk. Either way the training
+    loop (appendix E.2) batches them with `epoch_batches` (from the lengths alone) and
+    `collate` (a few numpy gathers a shard, not a tensor a sentence): one batcher, one
+    collate, for a list and for a corpus on disk."""
+
+    def __init__(self, src: list, tgt: list, index: list):
+        self.src, self.tgt, self.index = src, tgt, index
+        self.starts = np.cumsum([0] + [len(ix) for ix in index])  # shard k: starts[k]:starts[k+1]
+        self.src_lengths = np.concatenate([ix[:, 1] for ix in index]).astype(np.int32)
+        self.tgt_lengths = np.concatenate([ix[:, 3] for ix in index]).astype(np.int32)
+        self.keep = None                                # pair i is stored pair keep[i]
+
+    @classmethod
+    def of(cls, examples) -> Pairs:
+        "A list of `(src_ids, tgt_ids)` pairs, packed: one shard in memory."
+        sides = []
+        for k in (0, 1):
+            lengths = np.fromiter((len(e[k]) for e in examples), np.int64, len(examples))
+            tokens = np.fromiter(itertools.chain.from_iterable(e[k] for e in examples),
+                                 np.int64, int(lengths.sum()))
+            sides.append((tokens, np.cumsum(lengths) - lengths, lengths))
+        (src, so, sl), (tgt, to, tl) = sides
+        return Pairs([src], [tgt], [np.stack([so, sl, to, tl], axis=1)])
+
+    def __len__(self) -> int:
+        return len(self.src_lengths)
+
+    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
+        return self.pair(i)
+
+    def pair(self, i: int) -> tuple[list[int], list[int]]:
+        "Pair `i`'s `(x EOS, BOS y EOS)` ids, read from the shards."
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"pair {i} of a corpus of {len(self)} pairs")
+        i = int(i) % len(self)
+        i = i if self.keep is None else int(self.keep[i])
+        k = int(np.searchsorted(self.starts, i, side="right")) - 1
+        so, sl, to, tl = self.index[k][i - self.starts[k]].tolist()
+        return self.src[k][so:so + sl].tolist(), self.tgt[k][to:to + tl].tolist()
+
+    def collate(self, indices, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Chapter 8's `collate(self, indices)`: padded `src (B, S)` and `tgt (B, T)` ids, read
+        with a few numpy gathers per shard instead of a Python loop over the pairs."""
+        raw = np.asarray(indices, dtype=np.int64)
+        raw = raw if self.keep is None else self.keep[raw]
+        shard = np.searchsorted(self.starts, raw, side="right") - 1
+        rows = np.empty((len(raw), 4), np.int64)       # offsets and lengths, in batch order
+        for k in np.unique(shard):
+            at = shard == k
+            rows[at] = self.index[k][raw[at] - self.starts[k]]
+        out = []
+        for tokens, col in ((self.src, 0), (self.tgt, 2)):
+            offset, length = rows[:, col], rows[:, col + 1]
+            width = np.arange(int(length.max()))
+            ids = np.full((len(raw), len(width)), PAD, np.int64)
+            for k in np.unique(shard):
+                at = np.flatnonzero(shard == k)
+                where = np.minimum(offset[at, None] + width, len(tokens[k]) - 1)
+                ids[at] = np.where(width < length[at, None], tokens[k][where], PAD)
+            out.append(torch.from_numpy(ids).to(device, non_blocking=True))
+        return out[0], out[1]
+
+    def epoch_batches(self, batch_tokens: int, seed: int, epoch: int,
+                      pieces: int = 1) -> list[list[np.ndarray]]:
+        "Chapter 8's `epoch_batches` of these pairs, from their lengths: see `epoch_length_batches`."
+        return epoch_length_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed,
+                                    epoch, pieces)
+
+    def __repr__(self) -> str:
+        return f"Pairs({len(self):,} pairs, {len(self.index)} shard{'s' * (len(self.index) != 1)})"
+
+
+class ShardedCorpus(Pairs):
     """A corpus written by `prepare`, opened without reading it: each shard's token arrays are
     memory-mapped (numpy, `mmap_mode="r"`); only the lengths of every pair are held (two int32
     arrays). `verify` checks every file's sha256 against the manifest (sizes are always checked).
@@ -380,7 +457,7 @@ class ShardedCorpus:
         if self._tokenizer.vocab_size != m.get("vocab_size"):
             raise _damaged(file, f"has {self._tokenizer.vocab_size} pieces, the manifest says "
                                  f"{m.get('vocab_size')!r}")
-        self.src, self.tgt, self.index = [], [], []
+        src, tgt, index = [], [], []
         for shard in shards:
             arrays = {}
             for side, want in shard["files"].items():
@@ -400,13 +477,10 @@ class ShardedCorpus:
                                    f"shape {a.shape} {a.dtype}, the manifest says {shape} {dtype}")
             self._check_ranges(arrays, {side: self._file(shard["files"][side]["name"])
                                         for side in arrays})
-            self.src.append(arrays["src"])
-            self.tgt.append(arrays["tgt"])
-            self.index.append(arrays["index"])
-        self.starts = np.cumsum([0] + [s["pairs"] for s in shards])    # shard k holds starts[k]:starts[k+1]
-        self.src_lengths = np.concatenate([ix[:, 1] for ix in self.index]).astype(np.int32)
-        self.tgt_lengths = np.concatenate([ix[:, 3] for ix in self.index]).astype(np.int32)
-        self.keep = None                                # pair i is stored pair keep[i]
+            src.append(arrays["src"])
+            tgt.append(arrays["tgt"])
+            index.append(arrays["index"])
+        super().__init__(src, tgt, index)
         if max_len is not None:
             keep = np.flatnonzero(np.maximum(self.src_lengths, self.tgt_lengths) <= max_len)
             if len(keep) < len(self.src_lengths):
@@ -451,44 +525,6 @@ class ShardedCorpus:
         if verify and sha256_file(file) != want.get("sha256"):
             raise _damaged(file, "its sha256 differs from the manifest's (altered)")
 
-    def __len__(self) -> int:
-        return len(self.src_lengths)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        return self.pair(i)
-
-    def pair(self, i: int) -> tuple[list[int], list[int]]:
-        "Pair `i`'s `(x EOS, BOS y EOS)` ids, read from the shards."
-        if not -len(self) <= i < len(self):
-            raise IndexError(f"pair {i} of a corpus of {len(self)} pairs")
-        i = int(i) % len(self)
-        i = i if self.keep is None else int(self.keep[i])
-        k = int(np.searchsorted(self.starts, i, side="right")) - 1
-        so, sl, to, tl = self.index[k][i - self.starts[k]].tolist()
-        return self.src[k][so:so + sl].tolist(), self.tgt[k][to:to + tl].tolist()
-
-    def collate(self, indices, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Chapter 8's `collate(self, indices)`: padded `src (B, S)` and `tgt (B, T)` ids, read
-        with a few numpy gathers per shard instead of a Python loop over the pairs."""
-        raw = np.asarray(indices, dtype=np.int64)
-        raw = raw if self.keep is None else self.keep[raw]
-        shard = np.searchsorted(self.starts, raw, side="right") - 1
-        rows = np.empty((len(raw), 4), np.int64)       # offsets and lengths, in batch order
-        for k in np.unique(shard):
-            at = shard == k
-            rows[at] = self.index[k][raw[at] - self.starts[k]]
-        out = []
-        for tokens, col in ((self.src, 0), (self.tgt, 2)):
-            offset, length = rows[:, col], rows[:, col + 1]
-            width = np.arange(int(length.max()))
-            ids = np.full((len(raw), len(width)), PAD, np.int64)
-            for k in np.unique(shard):
-                at = np.flatnonzero(shard == k)
-                where = np.minimum(offset[at, None] + width, len(tokens[k]) - 1)
-                ids[at] = np.where(width < length[at, None], tokens[k][where], PAD)
-            out.append(torch.from_numpy(ids).to(device, non_blocking=True))
-        return out[0], out[1]
-
     def split(self, name: str) -> list[tuple[str, str]]:
         "The held-out `(source, target)` text pairs `prepare` kept as `name` (`val`, `test`)."
         if name not in self.manifest.get("splits", {}):
@@ -516,12 +552,6 @@ class ShardedCorpus:
     def tokenizer(self) -> Tokenizer:
         "The tokenizer the ids were written with (its file was checked when the corpus was opened)."
         return self._tokenizer
-
-    def epoch_batches(self, batch_tokens: int, seed: int, epoch: int,
-                      pieces: int = 1) -> list[list[np.ndarray]]:
-        "Chapter 8's `epoch_batches` of this corpus, from its lengths: see `epoch_length_batches`."
-        return epoch_length_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed,
-                                    epoch, pieces)
 
     def __repr__(self) -> str:
         shards = len(self.index)

@@ -34,6 +34,7 @@ from transformer.engine.checkpoints import (  # appendix E
     strip_prefixes,
     truncate_metrics,
 )
+from .corpus import Pairs  # appendix A.1
 from transformer.engine.devices import (  # appendix F
     Precision,
     StopRequest,
@@ -51,7 +52,6 @@ from ..tokens import UNK, Tokenizer, token_batches
 from transformer.training import (
     TrainConfig,
     collate,
-    epoch_batches,
     make_examples,
     make_optimizer,
     rate,
@@ -275,11 +275,13 @@ class _Loop:
 
     def epoch_steps(self, epoch: int) -> tuple:
         """An epoch's examples, its steps of `pieces` index lists (chapter 8's
-        `epoch_batches`) and the real target tokens of each step."""
+        `epoch_batches`) and the real target tokens of each step. A list of examples is
+        packed first (appendix A.1's `Pairs`), so that a list and a prepared corpus are
+        batched by the same code, from their lengths, and collated by numpy gathers."""
         c, examples = self.config, self.examples_of(epoch)
-        steps = (examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
-                 if hasattr(examples, "epoch_batches")       # a prepared corpus: its lengths
-                 else epoch_batches(examples, c.batch_tokens, c.seed, epoch, self.pieces))
+        if not isinstance(examples, Pairs):
+            examples = Pairs.of(examples)
+        steps = examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
         if not steps:
             raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
                              f"from {len(examples)} examples in "
@@ -290,8 +292,7 @@ class _Loop:
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
         examples, mine = item[-2], my_pieces(item[-1], self.rank, self.world_size)
-        batch = getattr(examples, "collate", None) or (lambda piece: collate(examples, piece))
-        return [t for piece in mine for t in batch(piece)]
+        return [t for piece in mine for t in examples.collate(piece)]
 
     def run(self, resume: bool) -> TrainResult:
         "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
