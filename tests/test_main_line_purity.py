@@ -3,9 +3,7 @@ notebooks write into `transformer/`, not what an appendix appends) holds no name
 the engine, DDP or a GPU: no `cache`, `arch`, `attend` seam, `check_ids`, `rank`/`world_size`, `decoding_state`.
 
 The scan reads the generated modules, keeps the cells whose `# %% ../book/NN_...ipynb` header names a main-line
-notebook, and collects their NAME tokens (so strings, docstrings and comments may mention the words). PENDING
-lists what is known and not yet moved out (issue 42); an entry is removed when its name goes, and the test
-fails on a stale entry as on a new name.
+notebook, and collects their NAME tokens (so strings, docstrings and comments may mention the words).
 """
 import io
 import re
@@ -17,9 +15,6 @@ MAIN_LINE = ["tokens", "attention", "heads", "positions", "blocks", "masking", "
              "evaluation"]
 CORE = {"attention", "heads", "positions", "blocks", "masking", "model"}
 FORBIDDEN = {"cache", "caches", "arch", "rank", "world_size", "check_ids", "decoding_state", "attend"}
-PENDING = {                                   # (module, name): still there, to be moved by issue 42
-    ("tokens", "check_ids"),                           # Tokenizer.decode's id check (appendix A), not the hook
-}
 HEADER = re.compile(r"^# %% \.\./book/(\S+)\.ipynb", re.M)
 
 
@@ -45,15 +40,9 @@ def found() -> set[tuple[str, str]]:
     return {(m, n) for m in MAIN_LINE for n in names(main_line_code(m)) & FORBIDDEN}
 
 
-def test_the_core_modules_hold_no_later_chapters_hook():
-    hits = sorted(h for h in found() if h[0] in CORE and h not in PENDING)
-    assert not hits, f"hooks in the core modules: {hits}"
-
-
-def test_the_main_line_holds_no_hook_beyond_the_known_pending_ones():
-    hits = found()
-    assert not hits - PENDING, f"new hooks in chapters 1-10's code: {sorted(hits - PENDING)}"
-    assert not PENDING - hits, f"gone, remove from PENDING: {sorted(PENDING - hits)}"
+def test_the_main_line_holds_no_later_chapters_hook():
+    hits = sorted(found())
+    assert not hits, f"hooks in chapters 1-10's code (module, name): {hits}"
 
 
 def test_multi_head_attention_forward_has_no_branch():

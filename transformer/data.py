@@ -49,7 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -378,12 +378,40 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int = 8000,
     return model.getvalue()
 
 
+def check_token_id(i, vocab_size: int) -> int:
+    "`i` as an int, or the error that says why it is not an id of a vocabulary of `vocab_size`."
+    if isinstance(i, (bool, float)):
+        raise TypeError(f"token id {i!r} is not an integer")
+    try:
+        i = operator.index(i)  # int, numpy integer, 0-d integer tensor
+    except TypeError:
+        raise TypeError(f"token id {i!r} is not an integer") from None
+    if not 0 <= i < vocab_size:
+        raise ValueError(f"token id {i} is out of range for vocab_size={vocab_size}")
+    return i
+
+
+class CheckedProcessor(spm.SentencePieceProcessor):
+    """sentencepiece's processor, whose `decode` checks what a user passes to chapter 1's
+    `Tokenizer.decode` first: one sequence of ids (a list or a 1-D tensor), each an integer
+    of the vocabulary. `SentencePieceModel.sp` is one."""
+
+    def decode(self, ids, *args, **kwargs):
+        if isinstance(ids, torch.Tensor):
+            if ids.dim() != 1:
+                raise ValueError("decode expects one sequence (1-D), got shape "
+                                 f"{tuple(ids.shape)}; use decode_batch")
+            ids = ids.tolist()
+        n = self.get_piece_size()
+        return super().decode([check_token_id(i, n) for i in ids], *args, **kwargs)
+
+
 class SentencePieceModel:
     """A serialized sentencepiece model with `SPECIAL_PIECES` at ids 0-3: its bytes,
     files, vocabulary and id checks. Chapter 1's `Tokenizer` derives from it."""
 
     def __init__(self, model_proto: bytes):
-        sp = spm.SentencePieceProcessor()
+        sp = CheckedProcessor()
         try:
             sp.LoadFromSerializedProto(bytes(model_proto))
         except (RuntimeError, TypeError) as e:
@@ -454,34 +482,11 @@ class SentencePieceModel:
         return f"{type(self).__name__}(vocab_size={self.vocab_size})"
 
     def id_to_piece(self, i: int) -> str:
-        return self.sp.id_to_piece(self.check_id(i))
+        return self.sp.id_to_piece(check_token_id(i, self.vocab_size))
 
     def piece_to_id(self, piece: str) -> int:
         "The id of `piece`, `UNK` when it is not in the vocabulary."
         return self.sp.piece_to_id(piece)
-
-    def check_id(self, i) -> int:
-        "`i` as an int, or the error that says why it is not an id of this vocabulary."
-        if isinstance(i, (bool, float)):
-            raise TypeError(f"token id {i!r} is not an integer")
-        try:
-            i = operator.index(i)  # int, numpy integer, 0-d integer tensor
-        except TypeError:
-            raise TypeError(f"token id {i!r} is not an integer") from None
-        if not 0 <= i < self.vocab_size:
-            raise ValueError(f"token id {i} is out of range for "
-                             f"vocab_size={self.vocab_size}")
-        return i
-
-    def check_ids(self, ids) -> list[int]:
-        "One sequence of ids (a list or a 1-D tensor) as checked ints."
-        if isinstance(ids, torch.Tensor):
-            if ids.dim() != 1:
-                raise ValueError("decode expects one sequence (1-D), got shape "
-                                 f"{tuple(ids.shape)}; "
-                                 f"use decode_batch")
-            ids = ids.tolist()
-        return [self.check_id(i) for i in ids]
 
     @staticmethod
     def check_text(text, caller: str, hint: str = "") -> str:

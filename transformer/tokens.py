@@ -44,7 +44,7 @@ class Tokenizer(data.SentencePieceModel):
 
     def decode(self, ids: Sequence[int] | torch.Tensor) -> str:
         "Text of a sequence of ids: `PAD`, `BOS`, `EOS` dropped, `UNK` shown as ' ⁇ '."
-        return self.sp.decode([i for i in self.check_ids(ids) if i not in (PAD, BOS, EOS)])
+        return self.sp.decode(ids)  # PAD, BOS, EOS are control pieces: sentencepiece skips them
 
     def decode_batch(self, batch: Sequence[Sequence[int]] | torch.Tensor) -> list[str]:
         "Text of each row of `batch` (a list of id lists, or a `(B, T)` tensor)."
