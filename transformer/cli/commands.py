@@ -7,11 +7,13 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import traceback
 import warnings
 from collections.abc import Callable
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import torch
 
@@ -19,11 +21,12 @@ from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import DEVICES
 from ..engine.trained import BATCH_TOKENS
-from ..model import ARCHS, POSITIONS, PRESETS
+from ..model import ARCHS, POSITIONS, PRESETS, TransformerConfig
+from ..training import TrainConfig
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CLIError', 'build_parser', 'describe_device',
-           'write_json', 'load_pairs', 'Terminated', 'report', 'run_command']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CONFIG_FLAGS', 'CLIError', 'as_typed',
+           'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -42,9 +45,22 @@ class CLIError(UserError):
 
 
 class _Parser(argparse.ArgumentParser):
-    # argparse would print usage + message and exit; we want one line
+    # argparse would print usage + message and exit; we want one line, with a flag that has
+    # an alias named as typed ("argument --heads: ...", not "argument --h/--heads: ...")
+    def parse_known_args(self, args=None, namespace=None):
+        self.typed = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
     def error(self, message):
+        names = re.match(r"argument (--[\w-]+(?:/--[\w-]+)+):", message)
+        if names:
+            message = message.replace(names[1], as_typed(names[1].split("/"), self.typed), 1)
         raise CLIError(f"{self.prog}: {message} (see --help)", code=2)
+
+
+def as_typed(flags: list[str], argv: list[str]) -> str:
+    "Of a flag and its aliases, the one `argv` uses (the first flag if none)."
+    return next((f for a in argv for f in flags if a == f or a.startswith(f + "=")), flags[0])
 
 
 def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False,
@@ -129,114 +145,122 @@ def _decoding_flags(parser) -> None:
 
 
 def _train_parser(sub) -> None:
-    t = sub.add_parser("train",
-                       help="train a model on Multi30k (CPU, GPU, or several with "
-                            "torchrun)",
-                       description="Train a translation model. Writes config.json, "
-                                   "tokenizer.model, last.pt, best.pt, "
-                                   "metrics.jsonl and results.json to --out.")
-    t.add_argument("--preset", choices=list(PRESETS), default="small",
+    t = sub.add_parser("train", help="train a model on Multi30k (CPU, GPU, or several with torchrun)",
+                       description="Train a translation model. Writes config.json, tokenizer.model, "
+                                   "last.pt, best.pt, metrics.jsonl and results.json to --out. A "
+                                   "model or training flag is its config field's name, - for _ "
+                                   "(--n-layers sets n_layers); the older --heads, --layers, "
+                                   "--average and --norm pre|post still work.")
+    r = t.add_argument_group("run")
+    r.add_argument("--preset", choices=list(PRESETS), default="small",
                    help="model and training sizes (default: small)")
-    t.add_argument("--src", choices=LANGS, default="de",
-                   help="source language (default: de)")
-    t.add_argument("--tgt", choices=LANGS, default="en",
-                   help="target language (default: en)")
-    t.add_argument("--data", metavar="DIR",
-                   help="a corpus written by `prepare` (a directory with manifest.json), "
-                        "or a directory holding multi30k/ (default: $TRANSFORMER_DATA, "
-                        "then the cache)")
-    t.add_argument("--no-download", action="store_true",
+    r.add_argument("--src", choices=LANGS, default="de", help="source language (default: de)")
+    r.add_argument("--tgt", choices=LANGS, default="en", help="target language (default: en)")
+    r.add_argument("--data", metavar="DIR",
+                   help="a corpus written by `prepare` (a directory with manifest.json), or a "
+                        "directory holding multi30k/ (default: $TRANSFORMER_DATA, then the cache)")
+    r.add_argument("--no-download", action="store_true",
                    help="fail instead of downloading missing data")
-    _unverified_flag(t)
-    t.add_argument("--out", metavar="DIR",
-                   help="run directory (default: runs/<preset>-<src>-<tgt>); one "
-                        "run at a time: it is locked while the run goes on")
-    t.add_argument("--device", choices=DEVICES, default="auto")
-    t.add_argument("--max-steps", type=_positive(int), metavar="N",
-                   help="optimizer steps (default: the preset's)")
-    t.add_argument("--max-minutes", type=_positive(float), metavar="M",
-                   help="stop within M minutes of training, the validations "
-                        "during training included (the final scoring with beam "
-                        "search comes after)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from last.pt")
-    t.add_argument("--compile", action="store_true", help="torch.compile the model")
-    t.add_argument("--seed", type=_number(int, low_ok=True), default=0)
-    _hyperparameters(t)
+    _unverified_flag(r)
+    r.add_argument("--out", metavar="DIR",
+                   help="run directory (default: runs/<preset>-<src>-<tgt>); one run at a time: "
+                        "it is locked while the run goes on")
+    r.add_argument("--device", choices=DEVICES, default="auto")
+    r.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
+    r.add_argument("--threads", type=_positive(int), metavar="N",
+                   help="CPU threads per process (default: torch's)")
+    r.add_argument("--quiet", action="store_true", help="no progress bar")
+    m = t.add_argument_group("model: TransformerConfig, chapter 7 (default: the preset's)")
+    m.add_argument("--vocab-size", type=_positive(int), metavar="N",
+                   help=f"joint subword vocabulary: src_vocab, tgt_vocab (default: {VOCAB_SIZE})")
+    _field_flags(m, _MODEL_FIELDS)
+    m.add_argument("--norm", choices=["pre", "post"], dest="norm_first", action=_PrePost,
+                   help="the older form of --norm-first (pre) and --no-norm-first (post)")
+    _field_flags(t.add_argument_group("training: TrainConfig, chapter 8 (default: the preset's)"),
+                 get_type_hints(TrainConfig))
     e = t.add_argument_group("evaluation")
     e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
                    help="translate only the first N sentences of each split")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
-                   help="split scored at the end, besides val (default: "
-                        "test_2016_flickr; with a prepared corpus, its test pairs if it "
-                        "has them; val: score val only)")
-    e.add_argument("--average", type=_number(int, low_ok=True), metavar="N",
-                   help="keep the last N weight snapshots; at the end average "
-                        "the last N, N/2, ... (down to 5) and keep the average that "
-                        "scores highest on val if it beats best.pt (0: off; "
-                        "default: the preset's, small: 10)")
-    e.add_argument("--snapshot-every", type=_positive(int), metavar="K",
-                   help="steps between the snapshots --average uses (default: the "
-                        "preset's, else --eval-every)")
+                   help="split scored at the end, besides val (default: test_2016_flickr; with "
+                        "a prepared corpus, its test pairs if it has them; val: score val only)")
     _decoding_flags(e)
-    t.add_argument("--threads", type=_positive(int), metavar="N",
-                   help="CPU threads per process (default: torch's)")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
-def _hyperparameters(t) -> None:
-    "train's flags that override the preset."
-    g = t.add_argument_group("hyperparameters (default: the preset's)")
-    g.add_argument("--batch-tokens", type=_positive(int), metavar="N",
-                   help="padded tokens per optimizer step, all processes")
-    g.add_argument("--accum-steps", type=_positive(int), metavar="N",
-                   help="gradient accumulation: pieces per process and step")
-    g.add_argument("--warmup", type=_positive(int), metavar="N",
-                   help="warm-up steps of the learning-rate schedule")
-    g.add_argument("--lr-scale", type=_positive(float), metavar="X",
-                   help="multiplies the schedule of equation (3)")
-    g.add_argument("--label-smoothing", type=_number(float, 0, 1, low_ok=True),
-                   metavar="EPS", help="in [0, 1)")
-    g.add_argument("--clip-norm", type=_number(float, low_ok=True), metavar="X",
-                   help="gradient-norm clipping (0: off)")
-    g.add_argument("--dropout", type=_number(float, 0, 1, low_ok=True), metavar="P",
-                   help="P_drop of sub-layer outputs and embedding sums, in [0, 1)")
-    g.add_argument("--attention-dropout", type=_number(float, 0, 1, low_ok=True),
-                   metavar="P", help="dropout of the attention weights, in [0, 1)")
-    g.add_argument("--ffn-dropout", type=_number(float, 0, 1, low_ok=True), metavar="P",
-                   help="dropout of the feed-forward hidden units, in [0, 1)")
-    g.add_argument("--vocab-size", type=_positive(int), metavar="N",
-                   help=f"joint subword vocabulary (default: {VOCAB_SIZE})")
-    g.add_argument("--subword-dropout", type=_number(float, 0, 1, low_ok=True),
-                   metavar="P", help="BPE-dropout: segment the training pairs anew "
-                   "each epoch, skipping each merge with probability P (Provilkov et al., "
-                   "2020); 0: one fixed segmentation")
-    g.add_argument("--cpu-bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast on the CPU (fast with AMX or AVX512-BF16; "
-                        "default: the preset's)")
-    g.add_argument("--eval-every", type=_positive(int), metavar="N",
-                   help="validate and save every N steps")
-    g.add_argument("--log-every", type=_positive(int), metavar="N")
-    m = t.add_argument_group("model shape (default: the preset's; Table 3's rows)")
-    m.add_argument("--d-model", type=_positive(int), metavar="N",
-                   help="width of every sub-layer's output")
-    m.add_argument("--d-ff", type=_positive(int), metavar="N",
-                   help="hidden width of the feed-forward networks")
-    m.add_argument("--heads", type=_positive(int), metavar="H",
-                   help="attention heads (d_model must divide by it)")
-    m.add_argument("--d-k", type=_positive(int), metavar="N",
-                   help="query/key width per head (default: d_model / heads)")
-    m.add_argument("--layers", type=_positive(int), metavar="N",
-                   help="encoder layers, and as many decoder layers")
-    m.add_argument("--positions", choices=list(POSITIONS),
-                   help="position information (chapter 5; default: sinusoidal)")
-    m.add_argument("--arch", choices=list(ARCHS),
-                   help="encoder-decoder (the paper; default), or one stack over source "
-                        "+ target: decoder-only (GPT) or prefix-lm (chapter 19.1; "
-                        "--layers 7 matches small's parameters)")
-    m.add_argument("--norm", choices=["pre", "post"],
-                   help="LayerNorm before each sub-layer (pre-LN) or after the "
-                        "residual sum (post-LN, the paper)")
+# train's flags for the configs' fields, generated from the dataclasses: the field's name with -
+# for _, unset unless given (the preset fills it); a few keep an older name as an alias. A number
+# must be > 0 unless listed below. The tokenizer fixes src_vocab, tgt_vocab and pad_id.
+_UNIT = ("dropout", "attention_dropout", "ffn_dropout", "label_smoothing", "subword_dropout",
+         "beta1", "beta2")                              # in [0, 1)
+_ZERO_OK = ("clip_norm", "keep_checkpoints", "seed")    # >= 0
+_CHOICES = {"positions": POSITIONS, "arch": ARCHS}
+_ALIASES = {"h": ["--heads"], "n_layers": ["--layers"], "keep_checkpoints": ["--average"]}
+_FIELD_HELP = {
+    "d_model": "width of every sub-layer's output",
+    "d_ff": "hidden width of the feed-forward networks",
+    "h": "attention heads (d_model must divide by it)",
+    "n_layers": "encoder layers, and as many decoder layers",
+    "dropout": "P_drop of sub-layer outputs and embedding sums, in [0, 1)",
+    "attention_dropout": "dropout of the attention weights, in [0, 1)",
+    "ffn_dropout": "dropout of the feed-forward hidden units, in [0, 1)",
+    "max_len": "longest sequence in pieces; longer training pairs are left out",
+    "norm_first": "LayerNorm before each sub-layer (pre-LN), or after the residual sum "
+                  "(--no-norm-first: post-LN, the paper)",
+    "tie_embeddings": "one weight for the embeddings and the output layer (Press & Wolf, 2017)",
+    "positions": "position information (chapter 5)",
+    "d_k": "query/key width per head (default: d_model / h)",
+    "arch": "encoder-decoder (the paper), or one stack over source + target: decoder-only (GPT) "
+            "or prefix-lm (chapter 19.1; --n-layers 7 matches small's parameters)",
+    "batch_tokens": "padded tokens per optimizer step, all processes",
+    "accum_steps": "gradient accumulation: pieces per process and step",
+    "max_steps": "optimizer steps",
+    "max_minutes": "stop within X minutes of training, the validations during training "
+                   "included (the final scoring with beam search comes after)",
+    "warmup": "warm-up steps of the learning-rate schedule",
+    "lr_scale": "multiplies the schedule of equation (3)",
+    "beta1": "Adam's beta_1, in [0, 1)", "beta2": "Adam's beta_2, in [0, 1)",
+    "adam_eps": "Adam's epsilon", "label_smoothing": "epsilon_ls, in [0, 1)",
+    "subword_dropout": "BPE-dropout: segment the training pairs anew each epoch, skipping each "
+                       "merge with probability X (Provilkov et al., 2020); 0: one segmentation",
+    "clip_norm": "gradient-norm clipping (0: off)",
+    "eval_every": "validate and save every N steps",
+    "log_every": "log the training loss every N steps",
+    "seed": "seed of the initial weights, the batches' order and dropout",
+    "amp": "bf16 autocast on CUDA",
+    "cpu_bf16": "bf16 autocast on the CPU (fast with AMX or AVX512-BF16)",
+    "compile": "torch.compile the model and the loss",
+    "keep_checkpoints": "keep the last N weight snapshots; at the end average the last N, N/2, "
+                        "... (down to 5) and keep the average that scores highest on val if it "
+                        "beats best.pt (0: off)",
+    "snapshot_every": "steps between those snapshots (default: the preset's, else --eval-every)",
+}
+# the fields train sets: chapter 7.1's and chapter 8's, and chapter 19.1's `arch` (a field of
+# its DecoderOnlyConfig, which TransformerConfig.preset builds for it)
+_MODEL_FIELDS = {**get_type_hints(TransformerConfig), "arch": str}
+CONFIG_FLAGS = {name: [f"--{name.replace('_', '-')}", *_ALIASES.get(name, [])]
+                for name in (*_MODEL_FIELDS, *get_type_hints(TrainConfig))
+                if name not in ("src_vocab", "tgt_vocab", "pad_id")}
+
+
+def _field_flags(group, hints: dict) -> None:
+    "A flag for each field in `hints` (name: type) and CONFIG_FLAGS, its type the field's."
+    for name in (n for n in hints if n in CONFIG_FLAGS):
+        kind = next(k for k in (bool, int, float, str) if k in (hints[name], *get_args(hints[name])))
+        flags, help_ = CONFIG_FLAGS[name], _FIELD_HELP.get(name)
+        if kind is bool:
+            group.add_argument(*flags, action=argparse.BooleanOptionalAction, help=help_)
+        elif kind is str:
+            group.add_argument(*flags, choices=list(_CHOICES[name]), help=help_)
+        else:
+            group.add_argument(*flags, metavar="N" if kind is int else "X", help=help_,
+                               type=_number(kind, 0, 1, low_ok=True) if name in _UNIT
+                               else _number(kind, low_ok=name in _ZERO_OK))
+
+
+class _PrePost(argparse.Action):
+    "--norm pre|post: norm_first True or False."
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value == "pre")
 
 
 def _inference_parsers(sub) -> None:
@@ -370,9 +394,13 @@ def describe_device(device: torch.device) -> str:
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
 
 
-def write_json(path: Path, obj) -> None:
-    "Write `obj` as indented JSON to `path`, atomically (appendix E's `atomic_write`)."
-    atomic_write(path, lambda f: f.write(json.dumps(obj, indent=2) + "\n"), mode="w")
+def write_json(path: Path, obj, compact: bool = False) -> None:
+    """Write `obj` to `path` as UTF-8 JSON and a newline, atomically (appendix E's
+    `atomic_write`): indented, or `compact` (no spaces, non-ASCII as is: what a web page
+    downloads, appendix I). The one JSON writer of the command line."""
+    text = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) if compact
+            else json.dumps(obj, indent=2))
+    atomic_write(path, lambda f: f.write((text + "\n").encode("utf-8")))
 
 
 def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:

@@ -24,10 +24,12 @@ import torch
 import torch.distributed as dist
 
 from transformer.cli.commands import (
+    CONFIG_FLAGS,
     TRAIN_ALPHAS,
     VOCAB_SIZE,
     CLIError,
     Terminated,
+    as_typed,
     describe_device,
     load_pairs,
     write_json,
@@ -119,7 +121,7 @@ def _run_config(args, model_config: TransformerConfig,
         data.update(corpus=str(corpus.dir), corpus_pairs=len(corpus),
                     corpus_manifest_sha256=sha256_file(corpus.dir / MANIFEST))
     return {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
-            "preset": args.preset, "seed": args.seed}
+            "preset": args.preset, "seed": train_config.seed}
 
 
 def prepared_corpus(args) -> Path | None:
@@ -197,46 +199,25 @@ RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.p
 
 
 def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
-    ("The model and training configs the flags ask for; a bad value is a one-line "
-     "error in the flags' words.")
-    overrides = {k: getattr(args, k) for k in ("max_steps", "max_minutes",
-                                               "batch_tokens", "accum_steps", "warmup",
-                                               "lr_scale", "label_smoothing",
-                                               "subword_dropout",
-                                               "eval_every", "log_every", "cpu_bf16",
-                                               "snapshot_every")
-                 if getattr(args, k) is not None}
-    if args.average is not None:
-        overrides["keep_checkpoints"] = args.average
-    if args.clip_norm is not None:
-        overrides["clip_norm"] = args.clip_norm or None
-    shape = {field: getattr(args, flag) for field, flag in _MODEL_FLAGS.items()
-             if getattr(args, flag, None) is not None}
-    if getattr(args, "norm", None) is not None:
-        shape["norm_first"] = args.norm == "pre"
-    try:
-        model_config = TransformerConfig.preset(args.preset, src_vocab=vocab_size,
-                                                tgt_vocab=vocab_size, **shape)
-        return model_config, TrainConfig.preset(args.preset, seed=args.seed,
-                                                compile=args.compile, **overrides)
-    # "batch_tokens=0 must be ..." -> "--batch-tokens 0 must be ..."
+    ("The model and training configs the flags ask for (a field the preset's unless its flag "
+     "is given); a bad value is a one-line error in the flags' words.")
+    given = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k, None) is not None}
+    if given.get("clip_norm") == 0:     # --clip-norm 0: off
+        given["clip_norm"] = None
+    train = {k: given.pop(k) for k in TrainConfig.__dataclass_fields__ if k in given}
+    try:   # the rest of `given` is the model's
+        return (TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
+                                         **given), TrainConfig.preset(args.preset, **train))
+    # "h=3 ..." -> "--heads 3 ..." (the flag as the command line has it)
     except ValueError as e:
-        raise CLIError(re.sub(r"\b(\w+)=(\S+)", _as_flag, str(e), count=2)) from None
+        raise CLIError(re.sub(r"\b(\w+)=(\S+)", lambda m: _as_flag(m, args), str(e), count=2)
+                       ) from None
 
 
-# model fields whose flag has another name than the field
-_MODEL_FLAGS = {"dropout": "dropout", "attention_dropout": "attention_dropout",
-                "ffn_dropout": "ffn_dropout", "d_model": "d_model", "d_ff": "d_ff",
-                "h": "heads", "d_k": "d_k", "n_layers": "layers", "positions": "positions",
-                "arch": "arch"}
-
-
-def _as_flag(m: re.Match) -> str:
-    "`d_model=100` -> `--d-model 100`; `h=3` -> `--heads 3`."
-    field = m.group(1)
-    if field not in _MODEL_FLAGS and field not in TrainConfig.__dataclass_fields__:
-        return m.group(0)
-    return f"--{_MODEL_FLAGS.get(field, field).replace('_', '-')} {m.group(2)}"
+def _as_flag(m: re.Match, args) -> str:
+    "`d_model=100` -> `--d-model 100`; `h=3` -> `--h 3`, or `--heads 3` if argv has --heads."
+    flags = CONFIG_FLAGS.get(m.group(1))
+    return f"{as_typed(flags, getattr(args, 'argv', []))} {m.group(2)}" if flags else m.group(0)
 
 
 def _check_out(out: Path, args) -> None:
@@ -294,7 +275,7 @@ def cmd_train(args) -> int:
     if args.src == args.tgt:
         raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
                        "languages")
-    device = pick_device(args.device, args.compile)
+    device = pick_device(args.device, bool(args.compile))
     if args.threads:
         torch.set_num_threads(args.threads)
     if device.type == "cpu":
@@ -366,7 +347,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
     # now: the files may change while a long run goes on
     facts = provenance()
-    torch.manual_seed(args.seed)
+    torch.manual_seed(train_config.seed)
     model = build_model(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
