@@ -4,7 +4,11 @@ the engine, DDP or a GPU: no `cache`, `arch`, `attend` seam, `check_ids`, `rank`
 
 The scan reads the generated modules, keeps the cells whose `# %% ../book/NN_...ipynb` header names a main-line
 notebook, and collects their NAME tokens (so strings, docstrings and comments may mention the words).
+
+And the main-line modules are the main line's alone: an appendix extends them by composition or subclass in a
+module of its own, never by appending cells to one (which also put imports mid-file).
 """
+import ast
 import io
 import re
 import tokenize
@@ -15,21 +19,42 @@ MAIN_LINE = ["tokens", "attention", "heads", "positions", "blocks", "masking", "
              "evaluation"]
 CORE = {"attention", "heads", "positions", "blocks", "masking", "model"}
 FORBIDDEN = {"cache", "caches", "arch", "rank", "world_size", "check_ids", "decoding_state", "attend"}
-HEADER = re.compile(r"^# %% \.\./book/(\S+)\.ipynb", re.M)
+HEADER = re.compile(r"^# %% (?:\.\./)+book/(\S+)\.ipynb", re.M)
+
+
+# (module, notebook): an appendix's cells still in a main-line module, each with the reason it could not move yet
+APPENDED = {
+    # appendix D's fast path of attention: chapter 4's MultiHeadAttention calls it, so it must sit below
+    # heads; it moves when it has a module of its own (nbdev writes a module afresh only from the notebook
+    # whose default_exp it is: a new appendix D notebook), or to chapter 3 (the main line's code budget)
+    ("attention", "d_performance"),
+}
+
+
+def cells(text: str) -> list[tuple[str | None, str]]:
+    "A generated module's cells as (notebook that wrote it, or None for nbdev's own, code)."
+    parts = re.split(r"^(# %% .*)$", text, flags=re.M)
+    out, notebook = [], None
+    for part in parts[1:]:
+        if part.startswith("# %%"):
+            m = HEADER.match(part)
+            notebook = m.group(1) if m else None
+        else:
+            out.append((notebook, part))
+    return out
+
+
+def is_main_line(notebook: str | None) -> bool:
+    return bool(notebook) and notebook[:2].isdigit()
+
+
+def module_text(module: str) -> str:
+    return (ROOT / "transformer" / f"{module}.py").read_text(encoding="utf-8")
 
 
 def main_line_code(module: str) -> str:
     "The cells of `module` written by main-line notebooks (numbered 00-12), joined."
-    text = (ROOT / "transformer" / f"{module}.py").read_text(encoding="utf-8")
-    parts = re.split(r"^(# %% .*)$", text, flags=re.M)
-    keep, take = [], False
-    for part in parts:
-        if part.startswith("# %%"):
-            m = HEADER.match(part)
-            take = bool(m) and m.group(1)[:2].isdigit()
-        elif take:
-            keep.append(part)
-    return "\n".join(keep)
+    return "\n".join(code for notebook, code in cells(module_text(module)) if is_main_line(notebook))
 
 
 def names(code: str) -> set[str]:
@@ -72,3 +97,37 @@ def test_core_training_imports_chapter_19_1_only_for_a_decoder_only_model():
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         named = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]
         assert not [m for m in named if "modern" in m], f"{module} imports transformer.modern at the top"
+
+
+def appended() -> set[tuple[str, str]]:
+    "(module, notebook) for every cell of a main-line module that a notebook outside 00-12 wrote."
+    return {(m, nb) for m in MAIN_LINE for nb, _ in cells(module_text(m)) if nb and not is_main_line(nb)}
+
+
+def test_every_cell_of_a_main_line_module_comes_from_a_main_line_notebook():
+    found = appended()
+    assert not found - APPENDED, f"appendices append to main-line modules: {sorted(found - APPENDED)}"
+    assert not APPENDED - found, f"gone, remove from APPENDED: {sorted(APPENDED - found)}"
+
+
+def late_imports(source: str) -> list[int]:
+    "Lines of the top-level imports that come after the module's first function or class."
+    body = ast.parse(source).body
+    first = next((n.lineno for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))),
+                 None)
+    return [n.lineno for n in body if first and n.lineno > first and isinstance(n, (ast.Import, ast.ImportFrom))]
+
+
+def test_no_module_imports_after_its_first_definition():
+    late = {str(p.relative_to(ROOT)): lines for p in sorted((ROOT / "transformer").rglob("*.py"))
+            if (lines := late_imports(p.read_text(encoding="utf-8")))}
+    assert not late, f"imports mid-file (an appended cell's, or a cell's below a definition): {late}"
+
+
+def test_the_module_checks_see_a_planted_appendix_cell_and_a_late_import():
+    text = ("# %% ../book/02_attention.ipynb #c1\nimport math\n\n# %% auto #0\n__all__ = []\n\n"
+            "# %% ../book/d_performance.ipynb #x\ndef f():\n    import torch\n    return math.pi\n\n"
+            "# %% ../../book/a_data.ipynb #y\nfrom os import path\n")
+    assert [nb for nb, _ in cells(text)] == ["02_attention", None, "d_performance", "a_data"]
+    assert [nb for nb, _ in cells(text) if nb and not is_main_line(nb)] == ["d_performance", "a_data"]
+    assert late_imports(text) == [13]          # the import inside f is lazy, and allowed

@@ -49,7 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -692,6 +692,22 @@ def check_inputs(config, src: torch.Tensor | None = None, tgt_in: torch.Tensor |
         raise ValueError(f"memory of shape {tuple(memory.shape)} does not fit "
                          f"tgt_in of shape {tuple(tgt_in.shape)}; expected "
                          f"(B={tgt_in.size(0)}, S, d_model={config.d_model})")
+
+# %% ../book/d_2_fast.ipynb #ev001
+def check_hyps_refs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
+    "Chapter 10's scores' input: two lists of strings that pair up, not empty."
+    for name, xs in (("hyps", hyps), ("refs", refs)):
+        if isinstance(xs, str):
+            raise TypeError(f"{name} must be a list of sentences, not a single string")
+        bad = [i for i, x in enumerate(xs) if not isinstance(x, str)]
+        if bad:
+            raise TypeError(f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
+    hyps, refs = list(hyps), list(refs)
+    if len(hyps) != len(refs):
+        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up")
+    if not hyps:
+        raise ValueError("no sentences to score: hyps and refs are empty")
+    return hyps, refs
 
 # %% ../book/e_2_loop.ipynb #t005d
 def check_train_config(c) -> None:

@@ -7,49 +7,36 @@ from collections.abc import Sequence
 
 from sacrebleu.metrics import BLEU, CHRF
 
+from .data import check_hyps_refs  # lists of strings that pair up (appendix D.2)
+
 # %% auto #0
 __all__ = ['bleu', 'bleu_lc_tok', 'chrf', 'score']
 
 # %% ../book/10_evaluation.ipynb #c008
 def bleu(hyps: Sequence[str], refs: Sequence[str]) -> float:
     "sacreBLEU's default corpus BLEU: cased, 13a tokenization of detokenized text."
-    hyps, refs = _check(hyps, refs)   # lists of strings that pair up (appendix D.2)
+    hyps, refs = check_hyps_refs(hyps, refs)
     return BLEU().corpus_score(hyps, [refs]).score
 
 
 def bleu_lc_tok(hyps: Sequence[str], refs: Sequence[str]) -> float:
     """Lowercased, 13a-tokenized corpus BLEU (`sacrebleu -lc`): the kind the Multi30k
     literature reports."""
-    hyps, refs = _check(hyps, refs)
+    hyps, refs = check_hyps_refs(hyps, refs)
     return BLEU(lowercase=True, tokenize="13a").corpus_score(hyps, [refs]).score
 
 
 def chrf(hyps: Sequence[str], refs: Sequence[str]) -> float:
     "sacreBLEU's chrF2: character 6-gram F-score with beta = 2."
-    hyps, refs = _check(hyps, refs)
+    hyps, refs = check_hyps_refs(hyps, refs)
     return CHRF().corpus_score(hyps, [refs]).score
 
 
 def score(hyps: Sequence[str], refs: Sequence[str]) -> dict:
     "All three scores, and the sacreBLEU signatures that say how they were computed."
-    hyps, refs = _check(hyps, refs)
+    hyps, refs = check_hyps_refs(hyps, refs)
     metrics = {"bleu": BLEU(), "bleu_lc_tok": BLEU(lowercase=True, tokenize="13a"),
                "chrf": CHRF()}
     out = {name: m.corpus_score(hyps, [refs]).score for name, m in metrics.items()}
     out["signatures"] = {name: str(m.get_signature()) for name, m in metrics.items()}
     return out
-
-# %% ../book/d_2_fast.ipynb #ev001
-def _check(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str], list[str]]:
-    for name, xs in (("hyps", hyps), ("refs", refs)):
-        if isinstance(xs, str):
-            raise TypeError(f"{name} must be a list of sentences, not a single string")
-        bad = [i for i, x in enumerate(xs) if not isinstance(x, str)]
-        if bad:
-            raise TypeError(f"{name}[{bad[0]}] is a {type(xs[bad[0]]).__name__}, expected str")
-    hyps, refs = list(hyps), list(refs)
-    if len(hyps) != len(refs):
-        raise ValueError(f"{len(hyps)} hypotheses but {len(refs)} references; they must pair up")
-    if not hyps:
-        raise ValueError("no sentences to score: hyps and refs are empty")
-    return hyps, refs

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..data import UserError
+from .corpus import RunDirectoryError, run_lock  # noqa: F401 (appendix A.1's lock)
 from ..model import Transformer, TransformerConfig
 from ..training import TrainConfig
 
@@ -365,11 +366,6 @@ class CheckpointWriter:
         error, self._error = self._error, None
         if error is not None and raising:
             raise error
-
-# %% ../../book/e_checkpoints.ipynb #e007
-# the lock is appendix A.1's, where `prepare` takes it too (it writes a directory first)
-from .corpus import RunDirectoryError, run_lock  # noqa: F401
-
 
 # %% ../../book/e_checkpoints.ipynb #e009
 class TrainingError(UserError, RuntimeError):

@@ -7,6 +7,7 @@ __all__ = ['PARTS', 'chart_html', 'enable', 'architecture', 'Figure', 'you_are_h
 import hashlib
 import json
 from collections import Counter
+from html import escape
 
 try:
     import altair as alt
@@ -66,8 +67,6 @@ def enable(max_rows: int = 20_000) -> None:
     alt.data_transformers.enable("default", max_rows=max_rows)
 
 # %% ../../book/b_figures.ipynb #b011
-from html import escape
-
 # The boxes of the paper's Figure 1: (key, label, x, y, width, parts of the book that
 # build it)
 _W, _H = 190, 30
