@@ -3,10 +3,10 @@
 # %% ../../book/e_2_loop.ipynb #t002
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Sequence
@@ -15,6 +15,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -580,12 +581,15 @@ class SubwordDropout:
     """The training pairs segmented anew every epoch, a variant of BPE-dropout
     (Provilkov et al., 2020): every merge that made a piece of the deterministic
     segmentation is undone with probability `p`, independently, down to single
-    characters. `self(epoch)` is that epoch's `(x EOS, BOS y EOS)` examples.
+    characters. `self(epoch)` is that epoch's `(x EOS, BOS y EOS)` examples, packed
+    (appendix A.1's `Pairs`: `len`, `[i]`, iteration, `collate`).
 
-    The draws come from `random.Random` seeded with `(seed, epoch)` alone, so a
-    resumed run sees the segmentations it would have seen. The pairs are those
-    `make_examples` keeps; a pair whose sampled ids exceed `max_len` (or `max_tokens`,
-    what one piece of a step holds) keeps its deterministic ids."""
+    The draws come from numpy's generator seeded with `(seed, epoch)` alone, so a
+    resumed run sees the segmentations it would have seen; they are made for every
+    piece of the epoch at once, a level of the merge tree at a time, in numpy (no
+    Python loop over the tokens). The pairs are those `make_examples` keeps; a pair
+    whose sampled ids exceed `max_len` (or `max_tokens`, what one piece of a step
+    holds) keeps its deterministic ids."""
 
     def __init__(self, tokenizer: Tokenizer, pairs: list[tuple[str, str]], p: float,
                  seed: int = 0, max_len: int | None = None,
@@ -597,33 +601,56 @@ class SubwordDropout:
         self.p, self.seed = float(p), seed
         self.limit = min(n for n in (max_len, max_tokens, math.inf) if n is not None)
         self.children = merge_children(tokenizer)
+        # the merge tree as two arrays: the left and right child of every id (-1: none)
+        self.left, self.right = np.full((2, len(self.children)), -1, dtype=np.int64)
+        for i, pair in enumerate(self.children):
+            if pair is not None:
+                self.left[i], self.right[i] = pair
+        sides = [ids for pair in self.fixed for ids in pair]   # src, tgt, src, tgt, ...
+        self._lengths = np.fromiter(map(len, sides), np.int64, len(sides))
+        self._ids = np.fromiter(itertools.chain.from_iterable(sides), np.int64,
+                                int(self._lengths.sum()))     # end to end
         self._last = (None, None)                             # (epoch, its examples)
 
     def __len__(self) -> int:
         return len(self.fixed)
 
-    def _split(self, ids: list[int], rng: random.Random) -> list[int]:
-        out, children, p = [], self.children, self.p
-        for i in ids:
-            stack = [i]
-            while stack:                     # depth first, left piece before right
-                j = stack.pop()
-                if children[j] is not None and rng.random() < p:
-                    stack += children[j][::-1]
-                else:
-                    out.append(j)
-        return out
+    def _split(self, ids: np.ndarray, rng: np.random.Generator
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """Every merge behind the pieces `ids` undone with probability `p`, a level of
+        the tree at a time: the pieces that come out, in order (a piece's left part
+        before its right), and for each the position in `ids` of the piece it came from.
+        Each merge is drawn for once: a piece that stays whole is not drawn for again."""
+        owner, fresh = np.arange(len(ids)), np.ones(len(ids), dtype=bool)
+        while True:
+            split = fresh & (self.left[ids] >= 0)
+            split[split] = rng.random(int(split.sum())) < self.p
+            if not split.any():
+                return ids, owner
+            counts = 1 + split
+            first = (np.cumsum(counts) - counts)[split]   # where a split piece's left part goes
+            out = np.repeat(ids, counts)
+            out[first], out[first + 1] = self.left[ids[split]], self.right[ids[split]]
+            fresh = np.zeros(len(out), dtype=bool)
+            fresh[first] = fresh[first + 1] = True
+            ids, owner = out, np.repeat(owner, counts)
 
-    def __call__(self, epoch: int) -> list[tuple[list[int], list[int]]]:
+    def __call__(self, epoch: int) -> Pairs:
         if self._last[0] != epoch:
-            rng = random.Random(self.seed * 1_000_003 + epoch)
-            examples = []
-            for src, tgt in self.fixed:
-                s, t = self._split(src, rng), self._split(tgt, rng)
-                fits = len(s) <= self.limit and len(t) <= self.limit
-                examples.append((s, t) if fits else (src, tgt))
-            self._last = (epoch, examples)
+            rng = np.random.default_rng(self.seed * 1_000_003 + epoch)
+            pieces, owner = self._split(self._ids, rng)
+            side = np.repeat(np.arange(len(self._lengths)), self._lengths)[owner]
+            lengths = np.bincount(side, minlength=len(self._lengths))    # src, tgt, src, ...
+            fits = np.repeat((lengths.reshape(-1, 2) <= self.limit).all(1), 2)
+            # one array: the sampled pieces, then the fixed ids a pair too long keeps
+            offsets = np.where(fits, np.cumsum(lengths) - lengths,
+                               len(pieces) + np.cumsum(self._lengths) - self._lengths)
+            lengths = np.where(fits, lengths, self._lengths)
+            tokens = np.concatenate([pieces, self._ids])
+            index = np.stack([offsets[0::2], lengths[0::2], offsets[1::2], lengths[1::2]], 1)
+            self._last = (epoch, Pairs([tokens], [tokens], [index]))
         return self._last[1]
+
 
 # %% ../../book/e_2_loop.ipynb #c036b
 def average_checkpoints(paths) -> dict:
