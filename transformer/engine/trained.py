@@ -134,8 +134,11 @@ def _write_weights(model: Transformer, path: Path, half: bool, tokenizer_sha256:
     tensors = {name: t.detach().to(torch.float16 if half and t.is_floating_point()
                                    else t.dtype).contiguous().cpu()
                for name, t in state.items() if name not in tied}
+    # the kind of model as the files of earlier versions name it (chapter 19.1's `arch`, which
+    # a DecoderOnlyConfig carries), so that an export of the shipped model gives its bytes
+    config = {"arch": "encoder-decoder", **model.config.to_dict()}
     meta = {"format": CHECKPOINT_FORMAT, "tied": tied, "tokenizer_sha256": tokenizer_sha256,
-            "model_config": model.config.to_dict()}
+            "model_config": config}
     # one key: safetensors writes its metadata in no fixed order, and the same model
     # should give the same bytes (and sha256) every time
     meta = {_META: json.dumps(meta, sort_keys=True)}
