@@ -328,3 +328,55 @@ def test_fast_seq2seq_loss_keeps_the_state_dict_and_evaluates_the_same():
     with torch.no_grad():
         a, b = fast(src, tgt), Seq2SeqLoss(model, 0.1)(src, tgt)
     assert torch.allclose(a[0], b[0], rtol=1e-5) and torch.allclose(a[1], b[1], rtol=1e-5)
+
+
+def _ops(model, src, tgt) -> tuple[int, int]:
+    "(matrix products, all ops) that one training step of `FastSeq2SeqLoss(model)` runs, forward and backward."
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.products = self.ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += 1
+            self.products += func.overloadpacket in (torch.ops.aten.addmm, torch.ops.aten.mm)
+            return func(*args, **(kwargs or {}))
+
+    loss_fn = FastSeq2SeqLoss(model, 0.1)
+    with Count() as count:
+        loss, _ = loss_fn(src, tgt)
+        loss.backward()
+    return count.products, count.ops
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_w_q_w_k_w_v_are_one_product_where_they_read_one_input(monkeypatch, norm_first):
+    """The sped-up attention computes W^Q, W^K, W^V as one matrix product in self-attention and W^K, W^V as one in
+    cross-attention: k products of one input become one, in the forward pass and in each of the backward pass's two
+    (the input's gradient, the weight's), so 3 (k - 1) products fewer: 6 per self-attention, 3 per cross-attention,
+    with fewer ops in all; the loss and every gradient are the same (float64). The count is the budget: it cannot
+    depend on the machine."""
+    import transformer.engine.fast as fast
+    config = TransformerConfig(src_vocab=40, tgt_vocab=40, d_model=32, d_ff=64, h=4, n_layers=2, dropout=0.0,
+                               norm_first=norm_first)
+    g = torch.Generator().manual_seed(0)
+    src, tgt = torch.randint(4, 40, (3, 7), generator=g), torch.randint(4, 40, (3, 6), generator=g)
+    runs = {}
+    for fused in (True, False):
+        with monkeypatch.context() as m:
+            if not fused:                        # the three products one by one, as chapter 4 writes them
+                m.setattr(fast, "_fused", lambda linears, x: [w(x) for w in linears])
+            torch.manual_seed(0)
+            model = speed_up(Transformer(config).double())
+            products, ops = _ops(model, src, tgt)
+            loss, _ = FastSeq2SeqLoss(model, 0.1)(src, tgt)
+            loss.backward()
+            runs[fused] = products, ops, loss.detach(), [p.grad for p in model.parameters()]
+    n_self, n_cross = 2 * config.n_layers, config.n_layers
+    saved = 3 * (3 - 1) * n_self + 3 * (2 - 1) * n_cross
+    assert runs[False][0] - runs[True][0] == saved, (runs[False][:2], runs[True][:2])
+    assert runs[True][1] < runs[False][1]
+    assert torch.allclose(runs[True][2], runs[False][2], rtol=1e-12, atol=0)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(runs[True][3], runs[False][3], strict=True))

@@ -80,13 +80,29 @@ def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
     return out.to(low), None
 
 # %% ../../book/d_2_fast.ipynb #f007
+def _fused(linears: list[nn.Linear], x: Tensor) -> list[Tensor]:
+    "Several `nn.Linear` of one input as one matrix product: their weights stacked."
+    weight = torch.cat([w.weight for w in linears])
+    bias = None if linears[0].bias is None else torch.cat([w.bias for w in linears])
+    return F.linear(x, weight, bias).split([w.out_features for w in linears], dim=-1)
+
+
 class Float32Attention(MultiHeadAttention):
-    "Chapter 4's `MultiHeadAttention`, attending with `float32_attention`: `speed_up` swaps it in."
+    """Chapter 4's `MultiHeadAttention`, attending with `float32_attention`, and in training
+    with $W^Q, W^K, W^V$ as one matrix product where they read one input (self-attention;
+    $W^K, W^V$ in cross-attention): fewer, larger products, the same parameters. In
+    evaluation the products stay chapter 4's, so the logits are the plain model's bit for
+    bit on any CPU. `speed_up` swaps it in."""
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                 need_weights: bool = False, is_causal: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
-        q, k, v = (split_heads(w(x), self.h)
-                   for w, x in ((self.w_q, query), (self.w_k, key), (self.w_v, value)))
+        if self.training and query is key is value:
+            q, k, v = _fused([self.w_q, self.w_k, self.w_v], query)
+        elif self.training and key is value:
+            q, (k, v) = self.w_q(query), _fused([self.w_k, self.w_v], key)
+        else:
+            q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)
+        q, k, v = (split_heads(t, self.h) for t in (q, k, v))
         out, weights = float32_attention(q, k, v, mask, self.dropout if self.training else 0.0,
                                          need_weights, is_causal)
         return self.w_o(merge_heads(out)), weights
