@@ -8,8 +8,8 @@ first: a module may import only modules listed before it. The two top files, `tr
 import any module.
 
 No chapter imports the command line (issue 29): a notebook of the book imports `transformer.cli` only in
-appendices C (the commands) and D (the benchmark), which build it; the chapters read results through the
-engine (`transformer.engine.trained.read_variants`, `collect`; `transformer.engine.devices.peak_memory`).
+appendices C (the commands), D (the benchmark) and I (`export --web`), which build it; the chapters read results
+through the engine (`transformer.engine.trained.read_variants`, `collect`; `transformer.engine.devices.peak_memory`).
 Inside the package, only `transformer.cli` itself and `__main__` import it.
 """
 import ast
@@ -36,8 +36,8 @@ LAYERS = [
     "engine.corpus", "engine.devices", "engine.checkpoints", "engine.loop", "engine.trained",
     # figures (appendix B)
     "figures", "figures.viz", "figures.plots",
-    # the command line (appendices C, D)
-    "cli", "cli.web", "cli.commands", "cli.train", "cli.use", "cli.sweep", "cli.measure", "cli.bench",
+    # the command line (appendices C, D, I)
+    "cli", "cli.commands", "cli.web", "cli.train", "cli.use", "cli.sweep", "cli.measure", "cli.bench",
 ]
 TOP = {"", "__main__"}          # transformer/__init__.py and transformer/__main__.py: may import anything
 IGNORED = {"_modidx"}           # nbdev's index of names (generated, imports nothing of the package)
@@ -246,7 +246,7 @@ def test_the_declared_order_keeps_the_main_line_below_every_later_part():
 
 # --- no chapter imports the command line -----------------------------------------------------------------
 
-CLI_NOTEBOOKS = ("c_", "d_")    # appendices C (the commands) and D (the benchmark): they build the command line
+CLI_NOTEBOOKS = ("c_", "d_", "i_")  # appendices C (the commands), D (the benchmark), I (export --web): they build it
 
 
 def _is_cli(name: str) -> bool:
@@ -280,7 +280,7 @@ def test_no_chapter_imports_the_command_line():
     notebooks = sorted((ROOT / "book").glob("*.ipynb"))
     assert len(notebooks) > 30, notebooks
     found = [hit for nb in notebooks if not nb.name.startswith(CLI_NOTEBOOKS) for hit in cli_imports_in_notebook(nb)]
-    assert not found, ("only appendices C and D import transformer.cli; a chapter reads results through the engine "
+    assert not found, ("only appendices C, D and I import transformer.cli; a chapter reads results through the engine "
                        "(engine.trained, engine.devices):\n" + "\n".join(found))
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .commands import write_json
 from transformer.cli.measure import (
     DEFAULT_MAX_TOKENS,
     TorchTransformer,
@@ -25,7 +26,6 @@ from transformer.cli.measure import (
     train_step,
 )
 from .train import cap_kernel_cache, keep_freed_memory
-from ..engine.checkpoints import atomic_write
 from transformer.engine.devices import (
     DEVICES,
     cpu_has_bf16_units,
@@ -43,10 +43,6 @@ __all__ = ['DECODE_EXTRA', 'run_bench', 'format_table', 'main']
 
 # %% ../../book/d_1_bench.ipynb #r027
 DECODE_EXTRA = 10  # greedy search may write up to source length + 10 tokens
-
-
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs)
 
 
 class _Bench:
@@ -254,7 +250,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
     cached_sps = [n_decode / t for t in cached_s]
     flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1)
                 for s, t in b.batches)
-    tflops = {k: flops * _median(v) / tokens / 1e12 for k, v in train_tps.items()}
+    tflops = {k: flops * statistics.median(v) / tokens / 1e12 for k, v in train_tps.items()}
     train_ratio = [x / y for x, y in zip(train_tps["ours"], train_tps["nn"])]
     decode_ratio = [x / y for x, y in zip(decode_sps["ours"], decode_sps["nn"])]
     cached_ratio = [x / y for x, y in zip(cached_sps, decode_sps["nn"])]
@@ -267,14 +263,14 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
                  "target_tokens": tokens, "decode_sentences": n_decode},
         "train": {"ours_tokens_per_s": train_tps["ours"],
                   "nn_tokens_per_s": train_tps["nn"],
-                  "ratio": train_ratio, "median_ratio": _median(train_ratio)},
+                  "ratio": train_ratio, "median_ratio": statistics.median(train_ratio)},
         "decode": {"ours_sentences_per_s": decode_sps["ours"],
                    "nn_sentences_per_s": decode_sps["nn"],
                    "generated_tokens": generated, "ratio": decode_ratio,
-                   "median_ratio": _median(decode_ratio),
+                   "median_ratio": statistics.median(decode_ratio),
                    "ours_cached_sentences_per_s": cached_sps,
                    "cached_ratio": cached_ratio,
-                   "cached_median_ratio": _median(cached_ratio)},
+                   "cached_median_ratio": statistics.median(cached_ratio)},
         "memory": {"method": ("torch.cuda.max_memory_allocated" if b.cuda else
                               "torch.profiler allocation events "
                               "(profile_memory=True), peak of the running sum"),
@@ -291,7 +287,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
                           "device name" if peak else
                           "matmul FLOPs counted from the padded shapes; no MFU "
                           "(no assumed peak for this device)"},
-        "speedup_vs_nn": _median(train_ratio),
+        "speedup_vs_nn": statistics.median(train_ratio),
     }
 
 # %% ../../book/d_1_bench.ipynb #r028
@@ -300,7 +296,7 @@ def format_table(result: dict) -> str:
     `speedup_vs_nn: X.XX`."""
     tr, de, mem, fl = (result["train"], result["decode"], result["memory"],
                        result["flops"])
-    med = lambda xs: _median(xs)
+    med = statistics.median
     mib = lambda b: b / 2**20
     c = result["config"]
     lines = [
@@ -368,12 +364,6 @@ def _out_problem(path: Path) -> str | None:
         return (f"cannot create a file in {existing} ({e.strerror}); "
                 "choose a directory you can write to")
     return None
-
-
-def _write_json(path: Path, result: dict) -> None:
-    "Write `result` to `path` all or nothing (appendix E's `atomic_write`)."
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, lambda f: f.write(json.dumps(result, indent=1) + "\n"), mode="w")
 
 
 def main(argv: list[str] | None = None,
@@ -447,7 +437,8 @@ def main(argv: list[str] | None = None,
     print(json.dumps(result) if args.json else format_table(result))
     if args.out is not None:
         try:
-            _write_json(args.out, result)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            write_json(args.out, result)
         except OSError as e:  # e.g. the disk filled up during the run
             print(f"{p.prog}: error: could not write --out {args.out} "
                   f"({e.strerror or e}); the result is printed "

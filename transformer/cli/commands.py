@@ -25,8 +25,9 @@ from ..model import ARCHS, POSITIONS, PRESETS, TransformerConfig
 from ..training import TrainConfig
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'CONFIG_FLAGS', 'CLIError', 'as_typed',
-           'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated', 'report', 'run_command']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'CONFIG_FLAGS', 'CLIError',
+           'as_typed', 'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated', 'report',
+           'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -85,16 +86,13 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
     return parse
 
 
-def _positive(kind):
-    return _number(kind)
-
-
 # Limits on what one decoding may allocate: the beams of every sentence are decoded at once
 # (--beam 8000 took 5 GB), and the length penalty ((5 + |Y|) / 6) ** alpha overflows a float
 # near alpha = 5,000. The paper decodes with 4 beams and alpha 0.6.
 MAX_BEAM, MAX_ALPHA = 64, 10.0
 BEAM = _number(int, 1, MAX_BEAM, low_ok=True, high_ok=True)
 ALPHA = _number(float, 0, MAX_ALPHA, low_ok=True, high_ok=True)
+POSITIVE = _number(int)   # a count: --threads, --limit, --layer ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -167,11 +165,11 @@ def _train_parser(sub) -> None:
                         "it is locked while the run goes on")
     r.add_argument("--device", choices=DEVICES, default="auto")
     r.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
-    r.add_argument("--threads", type=_positive(int), metavar="N",
+    r.add_argument("--threads", type=POSITIVE, metavar="N",
                    help="CPU threads per process (default: torch's)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     m = t.add_argument_group("model: TransformerConfig, chapter 7 (default: the preset's)")
-    m.add_argument("--vocab-size", type=_positive(int), metavar="N",
+    m.add_argument("--vocab-size", type=POSITIVE, metavar="N",
                    help=f"joint subword vocabulary: src_vocab, tgt_vocab (default: {VOCAB_SIZE})")
     _field_flags(m, _MODEL_FIELDS)
     m.add_argument("--norm", choices=["pre", "post"], dest="norm_first", action=_PrePost,
@@ -179,7 +177,7 @@ def _train_parser(sub) -> None:
     _field_flags(t.add_argument_group("training: TrainConfig, chapter 8 (default: the preset's)"),
                  get_type_hints(TrainConfig))
     e = t.add_argument_group("evaluation")
-    e.add_argument("--eval-sentences", type=_positive(int), metavar="N",
+    e.add_argument("--eval-sentences", type=POSITIVE, metavar="N",
                    help="translate only the first N sentences of each split")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
                    help="split scored at the end, besides val (default: test_2016_flickr; with "
@@ -278,8 +276,8 @@ def _inference_parsers(sub) -> None:
                             "averaged.pt if it won, else best.pt)")
         _decoding_flags(c)
         c.add_argument("--device", choices=DEVICES, default="auto")
-        c.add_argument("--threads", type=_positive(int), metavar="N")
-        c.add_argument("--batch-tokens", type=_positive(int), default=BATCH_TOKENS,
+        c.add_argument("--threads", type=POSITIVE, metavar="N")
+        c.add_argument("--batch-tokens", type=POSITIVE, default=BATCH_TOKENS,
                        metavar="N", help="positions one batch decodes at once: beams x "
                        "(source + output length), summed (default: %(default)s); "
                        "memory follows it, not the input")
@@ -299,7 +297,7 @@ def _inference_parsers(sub) -> None:
             c.add_argument("--data", metavar="DIR")
             c.add_argument("--no-download", action="store_true")
             _unverified_flag(c)
-            c.add_argument("--limit", type=_positive(int), metavar="N",
+            c.add_argument("--limit", type=POSITIVE, metavar="N",
                            help="score only the first N sentences")
             c.add_argument("--json", action="store_true", help="print one JSON object")
             c.add_argument("--output", metavar="FILE",
@@ -369,9 +367,9 @@ def _add_figure_commands(sub) -> None:
     a.add_argument("--kind", choices=["cross", "encoder", "decoder"], default="cross",
                    help="cross-attention, or the encoder's or the decoder's "
                         "self-attention (default: cross)")
-    a.add_argument("--layer", type=_positive(int), metavar="L",
+    a.add_argument("--layer", type=POSITIVE, metavar="L",
                    help="one layer, counted from 1 (default: all)")
-    a.add_argument("--head", type=_positive(int), metavar="H",
+    a.add_argument("--head", type=POSITIVE, metavar="H",
                    help="one head, counted from 1 (default: all)")
     a.add_argument("--beam", type=BEAM, default=1, metavar="K",
                    help=f"beam size of the translation (default: 1 = greedy; at most "

@@ -14,8 +14,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from .commands import write_json
 from .train import RUN_FILES
-from ..engine.checkpoints import RunDirectoryError, atomic_write, run_lock
+from ..engine.checkpoints import RunDirectoryError, run_lock
 from ..engine.trained import SweepError, Variant, read_variants, run_state
 
 # %% auto #0
@@ -71,8 +72,7 @@ class _Job:
         "Write results.json or failed.json under the run's lock."
         record = {**record, "command": shlex.join(self.cmd[1:])}
         with run_lock(self.dir):
-            atomic_write(self.dir / name,
-                         lambda f: f.write(json.dumps(record, indent=2) + "\n"), mode="w")
+            write_json(self.dir / name, record)
 
     def finish(self) -> bool:
         """After the process ended: write an evaluation's results, or failed.json (the

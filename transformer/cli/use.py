@@ -295,12 +295,12 @@ def cmd_export(args) -> int:
     config.json, results.json (the source run, its scores, the weights' sha256) and a
     model card, README.md. `translate`, `evaluate` and `attend` read it like a run.
     `--web`: the two ONNX graphs and the tokenizer a web page runs (appendix I)."""
-    if getattr(args, "web", False):
-        return web.cmd_export_web(args)
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
                        "new directory")
+    if getattr(args, "web", False):
+        return web.cmd_export_web(args)
     trained = load(args.model, args.checkpoint)
     trained.export(out, half=args.half)
     results = json.loads((out / "results.json").read_text())

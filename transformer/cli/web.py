@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .commands import write_json
 from ..data import UserError, sha256_file
 from ..engine.trained import load, run_alpha
 from ..masking import causal_mask
@@ -20,8 +21,8 @@ from ..tokens import Tokenizer, pad_batch
 
 # %% auto #0
 __all__ = ['TOKENIZER_FORMAT', 'NORMAL', 'UNKNOWN', 'CONTROL', 'USER_DEFINED', 'UNUSED', 'BYTE', 'WEB_MAX_LEN', 'EXTRA_LEN',
-           'OPSET', 'EMBEDDING_FILE', 'WEB_FORMAT', 'tokenizer_json', 'write_json', 'RecordWeights', 'WebEncoder',
-           'WebDecoder', 'export_graphs', 'quantize_int8', 'export_web', 'WebModel', 'cmd_export_web']
+           'OPSET', 'EMBEDDING_FILE', 'WEB_FORMAT', 'tokenizer_json', 'RecordWeights', 'WebEncoder', 'WebDecoder',
+           'export_graphs', 'quantize_int8', 'export_web', 'WebModel', 'cmd_export_web']
 
 # %% ../../book/i_web.ipynb #w005
 TOKENIZER_FORMAT = "transformer-book/sentencepiece-bpe/1"
@@ -58,12 +59,6 @@ def tokenizer_json(tokenizer: Tokenizer) -> dict:
                        "remove_extra_whitespaces": True, "escape_whitespaces": True},
         "tokenizer_sha256": hashlib.sha256(tokenizer.to_bytes()).hexdigest(),
     }
-
-
-def write_json(path: Path, obj) -> None:
-    "`obj` as compact UTF-8 JSON (pieces unescaped), one trailing newline."
-    Path(path).write_text(json.dumps(obj, ensure_ascii=False, separators=(",", ":")) + "\n",
-                          encoding="utf-8")
 
 # %% ../../book/i_web.ipynb #w011
 WEB_MAX_LEN = 256     # positions the web graphs keep: source, and target prefix (output limit S + 50)
@@ -232,7 +227,7 @@ def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         shared = [quantize_int8(out_dir / f, c.tgt_vocab, c.d_model) for f in files]
         assert shared[0] == shared[1], "the graphs' embeddings differ"
         files.append(EMBEDDING_FILE)
-    write_json(out_dir / "tokenizer.json", tokenizer_json(tokenizer))
+    write_json(out_dir / "tokenizer.json", tokenizer_json(tokenizer), compact=True)
     files.append("tokenizer.json")
     results = json.loads((Path(model_dir) / "results.json").read_text()) \
         if (Path(model_dir) / "results.json").is_file() else {}
@@ -261,7 +256,7 @@ def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
         "weights_sha256": sha256_file(trained.path),
         "sha256": {f: sha256_file(out_dir / f) for f in files},
     }
-    write_json(out_dir / "config.json", config)
+    write_json(out_dir / "config.json", config, compact=True)
     return config
 
 # %% ../../book/i_web.ipynb #w033
@@ -326,13 +321,10 @@ class WebModel:
 
 # %% ../../book/i_web.ipynb #w035
 def cmd_export_web(args) -> int:
-    "`export --web`: the files a web page runs (`export_web`), in a new directory."
+    "`export --web`: the files a web page runs (`export_web`), in the new --out `cmd_export` checked."
     if why := _missing_onnx():
         raise UserError(f"export --web: {why}")
     out = Path(args.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise UserError(f"--out {out} exists and is not an empty directory; pass a "
-                        "new directory")
     config = export_web(args.model, out, "int8" if args.half else "float32",
                         args.checkpoint)
     files = [*config["sha256"], "config.json"]
