@@ -30,6 +30,7 @@ from transformer.engine.checkpoints import (  # appendix E
     load_checkpoint,
     load_optimizer_state,
     model_from_checkpoint,
+    read_model_config,
     run_lock,
     save_checkpoint,
     strip_prefixes,
@@ -663,12 +664,12 @@ def average_checkpoints(paths) -> dict:
     first = load_checkpoint(paths[0])
     # with the defaults of fields newer than a snapshot: a run resumed under a later
     # version of the package averages snapshots from both
-    config = TransformerConfig.from_dict(first["model_config"]).to_dict()
+    config = read_model_config(first["model_config"]).to_dict()
     weights = strip_prefixes(first["model"])
     total = {k: v.double() if v.is_floating_point() else v for k, v in weights.items()}
     for path in paths[1:]:
         state = load_checkpoint(path)
-        if TransformerConfig.from_dict(state["model_config"]).to_dict() != config:
+        if read_model_config(state["model_config"]).to_dict() != config:
             raise CheckpointError(f"{path} holds a different model than {paths[0]}; "
                                   "average checkpoints of one run")
         other = strip_prefixes(state["model"])
