@@ -6,6 +6,7 @@ the code paths are the same ones a GPU takes. Appendix D.2's greedy and beam sea
 ceil(T / POLL_EVERY) + a constant of them for T generated positions, write what chapter 9's plain code writes, and
 never copy or reorder the cross-attention's keys and values."""
 import math
+import types
 from collections import Counter
 
 import pytest
@@ -163,3 +164,18 @@ def test_bleu_callback_tokenizes_the_validation_sources_once(monkeypatch):
     assert calls == [12]
     want = evaluate(model, words, pairs[:12])
     assert got[0] == got[2] == {k: want[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
+
+
+@pytest.mark.parametrize(("device", "given", "expected"), [("cpu", None, 64), ("cuda", None, 512), ("cuda", 32, 32)])
+def test_bleu_callback_decodes_large_batches_on_a_gpu(monkeypatch, device, given, expected):
+    """Validation BLEU decodes 64 sentences at a time on a CPU and 512 on a GPU (a decoding step of 64 leaves most of
+    it idle), unless told otherwise: the batch size `_translate_ids` is handed, read without a GPU."""
+    import transformer.engine.fast as fast
+    from transformer.tokens import Tokenizer
+    seen = []
+    monkeypatch.setattr(fast, "_source_ids", lambda model, tokenizer, texts, size: [[5, 2] for _ in texts])
+    monkeypatch.setattr(fast, "_translate_ids", lambda model, tok, ids, k, a, extra, size: seen.append(size) or
+                        ["x"] * len(ids))
+    model = types.SimpleNamespace(parameters=lambda: iter([types.SimpleNamespace(device=torch.device(device))]))
+    fast.bleu_callback(Tokenizer.__new__(Tokenizer), [("a", "x")] * 3, batch_size=given)(model, 1)
+    assert seen == [expected]
