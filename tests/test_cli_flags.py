@@ -12,7 +12,8 @@ import torch
 from transformer.__main__ import main
 from transformer.cli.commands import CONFIG_FLAGS, build_parser
 from transformer.cli.train import _configs
-from transformer.model import ARCHS, POSITIONS, PRESETS, TransformerConfig
+from transformer.model import POSITIONS, PRESETS, TransformerConfig
+from transformer.modern.gpt import ARCHS
 from transformer.training import TrainConfig
 
 V = 300                                                    # the vocabulary the tokenizer would give
@@ -156,3 +157,13 @@ def test_a_wrong_value_is_one_line_in_the_flags_words(argv, match, tmp_path, mon
     code, out, err = run("train", *argv)
     assert code in (1, 2) and out == "" and err.count("\n") == 1 and match in err, err
     assert list(tmp_path.iterdir()) == [], "a refused command left files behind"
+
+
+def test_eval_share_defaults_to_a_tenth_and_takes_a_share():
+    "train --eval-share: the evaluations' most share of the run's time (appendix E.2); 1 evaluates every --eval-every."
+    from transformer.cli.commands import CLIError, build_parser
+    parse = build_parser().parse_args
+    assert parse(["train"]).eval_share == 0.1 and parse(["train", "--eval-share", "1"]).eval_share == 1
+    for bad in ("0", "-0.1", "1.5", "x"):
+        with pytest.raises(CLIError, match="argument --eval-share: "):
+            parse(["train", "--eval-share", bad])

@@ -90,9 +90,14 @@ def test_the_scan_sees_a_planted_hook():
 
 
 def test_core_training_imports_chapter_19_1_only_for_a_decoder_only_model():
-    "Issue 42: the engine's checkpoints and loop import `transformer.modern` inside a function, never at the top."
+    """Issue 42: the engine's checkpoints and loop, and the train command and its parser, import `transformer.modern`
+    inside a function, never at the top; the parser's choices of `--arch` are chapter 19.1's."""
     import ast
-    for module in ("training", "engine/checkpoints", "engine/loop"):
+
+    from transformer.cli.commands import ARCHS
+    from transformer.modern.gpt import ARCHS as chapter_19_1
+    assert ARCHS == chapter_19_1
+    for module in ("training", "engine/checkpoints", "engine/loop", "cli/train", "cli/commands"):
         tree = ast.parse((ROOT / "transformer" / f"{module}.py").read_text(encoding="utf-8"))
         top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
         named = [a.name for n in top for a in n.names] + [n.module or "" for n in top if isinstance(n, ast.ImportFrom)]

@@ -336,7 +336,9 @@ def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
     interpreters started; a thread sends this process the SIGTERM once the child saved its first last.pt."""
     import threading
     out = tmp_path / "runs"
-    path = write_variants(tmp_path / "v.json", [{"name": "long", "row": "x", "args": ["--max-steps", "100000"]}])
+    # --eval-share 1: an evaluation every --eval-every steps, whatever it costs (the schedule asserted below)
+    path = write_variants(tmp_path / "v.json", [{"name": "long", "row": "x",
+                                                  "args": ["--max-steps", "100000", "--eval-share", "1"]}])
     sent, done = [], threading.Event()
 
     def stop_when_saved():
@@ -368,7 +370,7 @@ def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
     code, listed, _ = sweep(path, "--out", out, "--list", "--threads", 1)
     assert listed.split()[:2] == ["interrupted", "long"] and listed.rstrip().endswith("--threads 1 --resume")
     # the same sweep, with a budget that ends soon
-    write_variants(path, [{"name": "long", "row": "x", "args": ["--max-steps", str(step + 3)]}])
+    write_variants(path, [{"name": "long", "row": "x", "args": ["--max-steps", str(step + 3), "--eval-share", "1"]}])
     code, stdout, err = sweep(path, "--out", out, "--threads", 1)
     assert code == 0, (out / "long" / "log.txt").read_text()
     first, again = commands_in_log(out / "long")

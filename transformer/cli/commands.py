@@ -21,13 +21,13 @@ from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.checkpoints import atomic_write
 from ..engine.devices import DEVICES
 from ..engine.trained import BATCH_TOKENS
-from ..model import ARCHS, POSITIONS, PRESETS, TransformerConfig
+from ..model import POSITIONS, PRESETS, TransformerConfig
 from ..training import TrainConfig
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'CONFIG_FLAGS', 'CLIError',
-           'as_typed', 'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated', 'report',
-           'run_command']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
+           'CLIError', 'as_typed', 'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated',
+           'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -179,6 +179,11 @@ def _train_parser(sub) -> None:
     e = t.add_argument_group("evaluation")
     e.add_argument("--eval-sentences", type=POSITIVE, metavar="N",
                    help="translate only the first N sentences of each split")
+    e.add_argument("--eval-share", type=_number(float, 0, 1, high_ok=True), default=0.1,
+                   metavar="F", help="the most of the run's time its evaluations may take: one "
+                                     "due every --eval-every steps is put off while it would "
+                                     "pass that share (default: 0.1; 1: every --eval-every "
+                                     "steps)")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
                    help="split scored at the end, besides val (default: test_2016_flickr; with "
                         "a prepared corpus, its test pairs if it has them; val: score val only)")
@@ -191,6 +196,9 @@ def _train_parser(sub) -> None:
 _UNIT = ("dropout", "attention_dropout", "ffn_dropout", "label_smoothing", "subword_dropout",
          "beta1", "beta2")                              # in [0, 1)
 _ZERO_OK = ("clip_norm", "keep_checkpoints", "seed")    # >= 0
+# chapter 19.1's kinds of model (transformer.modern.gpt.ARCHS; the parser names them without
+# importing chapter 19.1: training the paper's model never does)
+ARCHS = ("encoder-decoder", "decoder-only", "prefix-lm")
 _CHOICES = {"positions": POSITIONS, "arch": ARCHS}
 _ALIASES = {"h": ["--heads"], "n_layers": ["--layers"], "keep_checkpoints": ["--average"]}
 _FIELD_HELP = {

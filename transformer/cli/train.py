@@ -41,8 +41,7 @@ from ..engine.devices import init_distributed, pick_device
 from ..engine.fast import bleu_callback
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
-from ..model import TransformerConfig
-from ..modern.gpt import build_model
+from ..model import Transformer, TransformerConfig
 from ..tokens import Tokenizer
 from ..training import TrainConfig, make_examples
 
@@ -168,6 +167,7 @@ def _held_out(args, corpus: Path | None) -> tuple[list, list | None, str]:
 def _check_same_run(saved: dict, now: dict, path: Path) -> None:
     diffs = []
     if "model" in saved:  # a run from before a field existed has its default
+        _arch(saved["model"].get("arch"))
         saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
     if "train" in saved:
         saved = {**saved, "train": {**asdict(TrainConfig()), **saved["train"]}}
@@ -198,6 +198,21 @@ RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.p
              "metrics.jsonl", "results.json")
 
 
+def _arch(arch: str | None) -> None:
+    ("Chapter 19.1's decoder-only kinds of model are its module's: imported (its configs "
+     "registered for `TransformerConfig.preset` and `from_dict`) for them alone.")
+    if arch not in (None, "encoder-decoder"):
+        import transformer.modern.gpt  # noqa: F401
+
+
+def _build(config: TransformerConfig):
+    "Chapter 7.1's `Transformer`, or chapter 19.1's decoder-only model for its config."
+    if getattr(config, "arch", "encoder-decoder") == "encoder-decoder":
+        return Transformer(config)
+    from transformer.modern.gpt import build_model
+    return build_model(config)
+
+
 def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
     ("The model and training configs the flags ask for (a field the preset's unless its flag "
      "is given); a bad value is a one-line error in the flags' words.")
@@ -205,6 +220,7 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
     if given.get("clip_norm") == 0:     # --clip-norm 0: off
         given["clip_norm"] = None
     train = {k: given.pop(k) for k in TrainConfig.__dataclass_fields__ if k in given}
+    _arch(given.get("arch"))
     try:   # the rest of `given` is the model's
         return (TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
                                          **given), TrainConfig.preset(args.preset, **train))
@@ -348,7 +364,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     # now: the files may change while a long run goes on
     facts = provenance()
     torch.manual_seed(train_config.seed)
-    model = build_model(model_config).to(device)
+    model = _build(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
         f"({model.num_parameters():,} parameters, "
@@ -359,7 +375,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     result = train(model, examples, val_examples, train_config, out_dir=out,
                    resume=args.resume,
                    on_eval=bleu_callback(tokenizer, val_pairs),
-                   progress=not args.quiet, run=run)
+                   progress=not args.quiet, run=run,
+                   eval_share=None if args.eval_share == 1 else args.eval_share)
     if result.stopped == "interrupted":
         signum = result.signal or signal.SIGINT
         again = "python -m transformer " + shlex.join(
