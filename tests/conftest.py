@@ -1,6 +1,8 @@
 """Fixtures shared by the test files, and what the xdist workers of one run share."""
+import gzip
 import json
 import os
+import shutil
 import subprocess
 import traceback
 from pathlib import Path
@@ -53,7 +55,8 @@ FIXTURE_MARKS = {
     "swept": ("slow",),                             # tests/test_sweep.py: a real sweep
     "copier": ("slow",), "copier_run": ("slow",),   # a model trained to copy (below)
     "alone": ("slow",),                             # tests/test_cli_hostile.py: the shipped model translates
-    "prepared_multi30k": ("slow",),                 # tests/test_cli.py: `prepare` over the whole corpus
+    "prepared_multi30k": ("slow",),                 # tests/test_cli.py: `prepare` over the slice (below)
+    "multi30k_slice": ("slow",),                    # what trains on Multi30k's first pairs (below)
 }
 
 
@@ -89,6 +92,33 @@ def multi30k():
         load_multi30k("de", "en", "val", progress=False)
     except DataError as e:
         pytest.fail(f"these tests need Multi30k: {e}")
+
+
+# what a command-line run needs of Multi30k's train split when the claim is about the run, not about the corpus:
+# pairs enough for a 1,000-piece tokenizer and for tens of steps of a tiny model in under one epoch
+SLICE_PAIRS = 2000
+
+
+@pytest.fixture(scope="session")
+def multi30k_slice(multi30k, tmp_path_factory) -> Path:
+    """A directory holding multi30k/: the first `SLICE_PAIRS` lines of Multi30k's train files (de, en, fr) and
+    its val and test files whole, byte for byte, built once per run. `train --data DIR --unverified-data` on it
+    is `train` on Multi30k (the same files, the same code), with a fifteenth of the training text to tokenize:
+    for the tests whose runs only need to exist (the checksums are of the whole files, hence --unverified-data)."""
+    from transformer.data import cache_dir, download_multi30k, multi30k_dir
+
+    def build(out):
+        (out / "multi30k").mkdir()
+        for split, lang in [(split, lang) for split in ("train", "val", "test_2016_flickr") for lang in ("de", "en", "fr")]:
+            name = f"{split}.{lang}.gz"
+            found = next((d / name for d in (multi30k_dir(), cache_dir()) if (d / name).is_file()), None)
+            found = found or download_multi30k(split, lang, progress=False) / name
+            if split == "train":
+                lines = gzip.decompress(found.read_bytes()).split(b"\n")[:SLICE_PAIRS]
+                (out / "multi30k" / name).write_bytes(gzip.compress(b"\n".join(lines) + b"\n", mtime=0))
+            else:
+                shutil.copyfile(found, out / "multi30k" / name)
+    return once_per_run(tmp_path_factory, "multi30k_slice", build)
 
 
 def once_per_run(tmp_path_factory, name: str, build) -> Path:

@@ -118,10 +118,17 @@ TRAIN = ["train", "--preset", "tiny", "--max-steps", 24, "--eval-every", 12, "--
 
 
 @pytest.fixture(scope="module")
-def trained(multi30k, tmp_path_factory):
+def sliced(multi30k_slice):
+    """The flags of a run on the slice of Multi30k (tests/conftest.py: its first 2,000 training pairs, its val and
+    test whole): every `train` of this file needs a run, not the whole corpus, and so tokenizes a fifteenth of it."""
+    return ["--data", multi30k_slice, "--unverified-data"]
+
+
+@pytest.fixture(scope="module")
+def trained(sliced, tmp_path_factory):
     out = tmp_path_factory.mktemp("run") / "tiny-de-en"
     with kept_state():
-        code, stdout, err = run(*TRAIN, "--out", out)
+        code, stdout, err = run(*TRAIN, *sliced, "--out", out)
     assert code == 0, err
     return out, stdout
 
@@ -202,26 +209,26 @@ def test_evaluate_split_json_and_files(trained, tmp_path):
     assert len(hyps) == 8 and score(hyps, [p[1] for p in pairs])["bleu"] == pytest.approx(s["bleu"])
 
 
-def test_resume_continues_and_refuses_changes(trained, tmp_path):
+def test_resume_continues_and_refuses_changes(trained, sliced, tmp_path):
     """--resume continues a run and refuses to change it; a run directory that another process holds is refused
     until that process ends, however it ends (the operating system frees the lock); and a metrics line that a kill
     cut short is dropped on resume. One resume shows the last three: each resume trains and evaluates again."""
     out = tmp_path / "copy"
     shutil.copytree(trained[0], out)
-    code, out_, err = run(*TRAIN, "--out", out)
+    code, out_, err = run(*TRAIN, *sliced, "--out", out)
     assert_one_line_error(code, out_, err, 1, "already holds a run; add --resume")
-    code, out_, err = run(*TRAIN, "--out", out, "--resume", "--warmup", 7, "--dropout", 0.2)
+    code, out_, err = run(*TRAIN, *sliced, "--out", out, "--resume", "--warmup", 7, "--dropout", 0.2)
     assert_one_line_error(code, out_, err, 1, "--resume with a different config")
     assert "warmup=7" in err and "dropout=0.2" in err
     holder = _hold(out)                                             # a second process, while a run holds it
     try:
-        code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")
+        code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], *sliced, "--out", out, "--resume")
         assert_one_line_error(code, stdout, err, 1, f"is in use by another run (pid {holder})")
     finally:
         _release(holder)
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "step": 2')              # the run was killed while writing this line
-    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], "--out", out, "--resume")  # the OS freed it
+    code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], *sliced, "--out", out, "--resume")  # the OS freed it
     assert code == 0, err
     assert "metrics.jsonl: dropped its last line, cut short" in err
     assert json.loads((out / "results.json").read_text())["steps"] == 30
@@ -639,7 +646,7 @@ def _cli(*argv, timeout=300, **kw):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
-def test_foreign_tokenizer_is_refused(trained, tmp_path):
+def test_foreign_tokenizer_is_refused(trained, sliced, tmp_path):
     "A tokenizer.model from another run with the same vocabulary size: refused by translate, evaluate and --resume."
     from transformer.tokens import Tokenizer
     out = _copy(trained, tmp_path)
@@ -648,7 +655,7 @@ def test_foreign_tokenizer_is_refused(trained, tmp_path):
     assert other.vocab_size == 1000
     other.save(out / "tokenizer.model")
     for argv in (["translate", "--model", out, "Ein Hund."], ["evaluate", "--model", out, "--split", "val"],
-                 [*TRAIN, "--out", out, "--resume"]):
+                 [*TRAIN, *sliced, "--out", out, "--resume"]):
         code, stdout, err = run(*argv)
         assert_one_line_error(code, stdout, err, 1, "tokenizer.model is not the tokenizer")
         assert "sha256" in err and "different runs" in err
@@ -701,24 +708,24 @@ def test_invalid_utf8_on_stdin(trained):
                           "stdin line 2 is not valid UTF-8 (byte b'\\xdf' at column 3)")
 
 
-def test_damaged_metrics_line_names_file_and_line(trained, tmp_path):
+def test_damaged_metrics_line_names_file_and_line(trained, sliced, tmp_path):
     out = _copy(trained, tmp_path)
     lines = (out / "metrics.jsonl").read_text().splitlines()
     lines[1] = lines[1][:10]
     (out / "metrics.jsonl").write_text("\n".join(lines) + "\n")
-    code, stdout, err = run(*[a if a != 24 else 28 for a in TRAIN], "--out", out, "--resume")
+    code, stdout, err = run(*[a if a != 24 else 28 for a in TRAIN], *sliced, "--out", out, "--resume")
     assert_one_line_error(code, stdout, err, 1, "metrics.jsonl, line 2: not a metrics record")
 
 
-def test_batch_tokens_too_small_fails_before_the_tokenizer(multi30k, tmp_path):
+def test_batch_tokens_too_small_fails_before_the_tokenizer(sliced, tmp_path):
     out = tmp_path / "r"
-    code, stdout, err = run(*TRAIN, "--batch-tokens", 1, "--out", out)
+    code, stdout, err = run(*TRAIN, *sliced, "--batch-tokens", 1, "--out", out)
     assert_one_line_error(code, stdout, err, 1, "--batch-tokens 1 is too small: the longest training pair needs at least")
     assert "use --batch-tokens" in err and "the tiny preset uses 3000" in err
     assert not out.exists()
 
 
-def test_disk_full_while_saving(trained, tmp_path, monkeypatch):
+def test_disk_full_while_saving(trained, sliced, tmp_path, monkeypatch):
     "Every write raises ENOSPC: one line, no temp file left, last.pt as it was, exit code 1."
     import errno
     out = _copy(trained, tmp_path)
@@ -729,7 +736,7 @@ def test_disk_full_while_saving(trained, tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(torch, "save", full_disk)
-    code, stdout, err = run(*[a if a != 24 else 36 for a in TRAIN], "--out", out, "--resume")
+    code, stdout, err = run(*[a if a != 24 else 36 for a in TRAIN], *sliced, "--out", out, "--resume")
     assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
     assert err.startswith(f"error: no space left on the device while saving {out}/step-0000030.pt; nothing was written")
     assert not list(out.glob(".*.tmp")) and not (out / ".lock").exists()
@@ -761,12 +768,12 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_trainings_into_one_directory(multi30k, tmp_path):
+def test_two_trainings_into_one_directory(sliced, tmp_path):
     """Started together: one trains, the other is refused with one line; the run left is whole and consistent. One
     runs in another process (`python -m transformer train`), the other meanwhile in this one (no second import)."""
     out = tmp_path / "both"
-    fr_en = _cli(*SHORT, "--src", "fr", "--out", out)               # 3 steps: the claim needs no more
-    results = [run(*SHORT, "--out", out)]                           # de-en, while fr-en starts
+    fr_en = _cli(*SHORT, *sliced, "--src", "fr", "--out", out)     # 3 steps: the claim needs no more
+    results = [run(*SHORT, *sliced, "--out", out)]                  # de-en, while fr-en starts
     results.append((fr_en.wait(timeout=600), fr_en.stdout.read(), fr_en.stderr.read()))
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 1], results
@@ -782,9 +789,9 @@ def test_two_trainings_into_one_directory(multi30k, tmp_path):
 
 
 @pytest.mark.slow
-def test_sigterm_saves_and_says_how_to_resume(multi30k, tmp_path):
+def test_sigterm_saves_and_says_how_to_resume(sliced, tmp_path):
     out = tmp_path / "term"
-    argv = [*SHORT, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]  # the last wins
+    argv = [*SHORT, *sliced, "--max-steps", 100000, "--eval-every", 1000, "--log-every", 1, "--out", out]  # the last wins
     proc = _cli(*argv)
     try:
         deadline = time.time() + 300
@@ -901,11 +908,11 @@ def test_shape_flags_set_the_model_config(flags, want):
 
 
 @pytest.fixture(scope="module")
-def shaped(multi30k, tmp_path_factory):
+def shaped(sliced, tmp_path_factory):
     "A 3-step run with every shape flag set, and subword dropout (a training flag that config.json keeps as well)."
     out = tmp_path_factory.mktemp("shaped") / "run"
     with kept_state():
-        code, stdout, err = run(*SHORT, *SHAPE, "--subword-dropout", 0.1, "--out", out)
+        code, stdout, err = run(*SHORT, *SHAPE, *sliced, "--subword-dropout", 0.1, "--out", out)
     assert code == 0, err
     return out
 
@@ -928,11 +935,11 @@ def test_shape_flags_reach_config_json_and_the_checkpoint(shaped):
 
 
 @pytest.mark.slow
-def test_subword_dropout_reaches_config_json_and_resume_keeps_it(shaped, tmp_path):
+def test_subword_dropout_reaches_config_json_and_resume_keeps_it(shaped, sliced, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(shaped, out)                                     # `shaped` trained with --subword-dropout 0.1
     assert json.loads((out / "config.json").read_text())["train"]["subword_dropout"] == 0.1
-    more = [*(a if a != 3 else 5 for a in SHORT), *SHAPE]             # --max-steps 5
+    more = [*(a if a != 3 else 5 for a in SHORT), *SHAPE, *sliced]   # --max-steps 5
     code, out_, err = run(*more, "--out", out, "--resume")
     assert_one_line_error(code, out_, err, 1, "subword_dropout=0.0 (the run has 0.1)")
     code, _, err = run(*more, "--subword-dropout", 0.1, "--out", out, "--resume")
@@ -945,11 +952,11 @@ SMALL = ["--d-model", 32, "--heads", 2, "--d-ff", 48, "--layers", 1]
 
 
 @pytest.fixture(scope="module")
-def small(multi30k, tmp_path_factory):
+def small(sliced, tmp_path_factory):
     "A 3-step run that the tests below copy and make look older."
     out = tmp_path_factory.mktemp("small") / "run"
     with kept_state():
-        code, _, err = run(*SHORT, *SMALL, "--out", out)
+        code, _, err = run(*SHORT, *SMALL, *sliced, "--out", out)
     assert code == 0, err
     return out
 
@@ -975,14 +982,14 @@ def _strip_new_fields(run_dir, checkpoints=(), subword_dropout=False):
 @pytest.mark.parametrize("checkpoints", [(), ("last.pt", "best.pt")],
                          ids=["config.json", "config.json+last.pt, and from before subword dropout"])
 @pytest.mark.slow
-def test_resume_of_a_run_from_before_the_shape_fields(small, tmp_path, checkpoints):
+def test_resume_of_a_run_from_before_the_shape_fields(small, sliced, tmp_path, checkpoints):
     """A run whose config.json (and checkpoints) lack positions and d_k continues with --resume: they are the defaults.
     The second also lacks subword_dropout in config.json and last.pt (a run from before subword dropout resumes)."""
     out = tmp_path / "run"
     shutil.copytree(small, out)
     (out / "results.json").unlink()
     _strip_new_fields(out, checkpoints, subword_dropout=bool(checkpoints))
-    more = [*SHORT, "--max-steps", 5]                               # the last --max-steps wins
+    more = [*SHORT, *sliced, "--max-steps", 5]                      # the last --max-steps wins
     code, _, err = run(*more, *SMALL, "--out", out, "--resume")
     assert code == 0, err
     assert json.loads((out / "results.json").read_text())["steps"] == 5
@@ -997,10 +1004,10 @@ def test_resume_of_a_run_from_before_the_shape_fields(small, tmp_path, checkpoin
 # --- train --data DIR: a corpus written by `prepare` (issue 32) --------------------------------------
 
 @pytest.fixture(scope="module")
-def prepared_multi30k(multi30k, tmp_path_factory):
-    "Multi30k's train, val and test prepared with a tokenizer of 1,000 pieces, as `train --vocab-size 1000` trains it."
-    from transformer.data import multi30k_dir
-    d, out = multi30k_dir(), tmp_path_factory.mktemp("prepared") / "corpus"
+def prepared_multi30k(multi30k_slice, tmp_path_factory):
+    """The slice of Multi30k's train, its val and test prepared with a tokenizer of 1,000 pieces, as `train
+    --vocab-size 1000` trains it."""
+    d, out = multi30k_slice / "multi30k", tmp_path_factory.mktemp("prepared") / "corpus"
     with kept_state():
         code, stdout, err = run("prepare", "--src-files", d / "train.de.gz", "--tgt-files", d / "train.en.gz",
                                 "--val-files", d / "val.de.gz", d / "val.en.gz",
@@ -1025,9 +1032,9 @@ def on_shards(prepared_multi30k, tmp_path_factory):
 
 
 @pytest.mark.slow
-def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, on_shards, tmp_path):
+def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k, on_shards, sliced, tmp_path):
     "The same tokenizer, the same batches and losses, the same scores: one run from text, one from the shards."
-    code, _, err = run(*ONSHARDS, "--vocab-size", 1000, "--no-download", "--out", tmp_path / "text")
+    code, _, err = run(*ONSHARDS, "--vocab-size", 1000, "--no-download", *sliced, "--out", tmp_path / "text")
     assert code == 0, err
     shards, stdout = on_shards
     assert f"pairs of {prepared_multi30k}" in stdout
@@ -1042,7 +1049,8 @@ def test_train_on_a_prepared_corpus_is_train_on_multi30ks_text(prepared_multi30k
     assert (text["split"], shards["split"]) == ("test_2016_flickr", "test")
     assert text["bleu"] == shards["bleu"] and text["val"] == shards["val"]
     config = json.loads((runs[1] / "config.json").read_text())
-    assert config["train"]["subword_dropout"] == 0 and config["data"]["corpus_pairs"] == 29_000
+    pairs = load_multi30k("de", "en", "train", data_dir=sliced[1], download=False, verify=False)
+    assert config["train"]["subword_dropout"] == 0 and config["data"]["corpus_pairs"] == len(pairs) == 2000
 
 
 @pytest.mark.slow
