@@ -29,7 +29,7 @@ def attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = N
         weights = dropout(weights)
     return weights @ value, weights  # (..., T_q, d_v): weighted averages of the values
 
-# %% ../book/d_performance.ipynb #sdpa-code
+# %% ../book/03_scaling.ipynb #sdpa-code
 def scaled_dot_product_attention(query: Tensor, key: Tensor, value: Tensor,
                                  mask: Tensor | None = None, dropout_p: float = 0.0,
                                  need_weights: bool = False, is_causal: bool = False
