@@ -2,6 +2,9 @@
 `float32_attention` (CPU low precision through the float32 kernel), and `speed_up`, which swaps
 both into a model without changing the function it computes; and the loss on the real positions in one
 pass (`fused_smoothed_cross_entropy`, `FastSeq2SeqLoss`), equal to chapter 8's."""
+import copy
+from collections import Counter
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -20,6 +23,7 @@ from transformer.engine.fast import (
 )
 from transformer.heads import MultiHeadAttention
 from transformer.model import Transformer, TransformerConfig
+from transformer.tokens import BOS, PAD
 from transformer.training import Seq2SeqLoss, label_smoothed_nll
 
 D, H, D_FF, V = 32, 4, 64, 40
@@ -380,3 +384,149 @@ def test_w_q_w_k_w_v_are_one_product_where_they_read_one_input(monkeypatch, norm
     assert runs[True][1] < runs[False][1]
     assert torch.allclose(runs[True][2], runs[False][2], rtol=1e-12, atol=0)
     assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-14) for a, b in zip(runs[True][3], runs[False][3], strict=True))
+
+
+# ---- training: no fix-up of the queries that see no key (issue 44) --------------------------------------------
+
+# ops of one training step (forward and backward) of the sped-up test model below on a padded batch, post-LN and
+# pre-LN: a budget that may only go down. It was 722 / 730 with chapter 3's fix-up of blind rows in each of the 4
+# masked attention calls: per call `any`, `~`, `|`, the output's fill and its gradient's, and the copy that
+# `merge_heads` then made of the filled output (7 ops; 1 view back). A count, not a time: the same on every machine.
+STEP_OPS = {False: 698, True: 706}
+
+
+def _op_counts(model, src, tgt) -> Counter:
+    "The ops (by name) that one training step of `FastSeq2SeqLoss(model)` runs, forward and backward."
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        loss, _ = FastSeq2SeqLoss(model, 0.1)(src, tgt)
+        loss.backward()
+    return count.ops
+
+
+def _fix_up(m):
+    "The training path as it was: chapter 3's function, blind-row fix-up included, for every masked call."
+    import transformer.engine.fast as fast
+    m.setattr(fast, "_no_blind_rows", scaled_dot_product_attention)
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_a_training_step_runs_no_blind_row_fix_up(monkeypatch, norm_first):
+    """In training the sped-up attention hands its mask to PyTorch's kernel as it is: per masked call (each encoder
+    self-attention and each cross-attention; the decoder's self-attention gets the causal flag, no mask) no `any` over
+    the mask, no `~`, no `|`, and no fill of the output nor of its gradient. The step's count is `STEP_OPS`."""
+    config = TransformerConfig(src_vocab=40, tgt_vocab=40, d_model=32, d_ff=64, h=4, n_layers=2, dropout=0.0,
+                               norm_first=norm_first)
+    src, tgt = batch(S=7)                                            # padded: src[1, 5:], tgt[2, 4:]
+    counts = {}
+    for fix_up in (True, False):
+        with monkeypatch.context() as m:
+            if fix_up:
+                _fix_up(m)
+            torch.manual_seed(0)
+            counts[fix_up] = _op_counts(speed_up(Transformer(config).double()).train(), src, tgt)
+    masked_calls = 2 * config.n_layers
+    for op in ("aten.any", "aten.bitwise_not", "aten.bitwise_or"):
+        assert (counts[True][op], counts[False][op]) == (masked_calls, 0), op
+    assert counts[True]["aten.masked_fill"] - counts[False]["aten.masked_fill"] == 2 * masked_calls  # fwd and bwd
+    assert counts[True]["aten.clone"] - counts[False]["aten.clone"] == masked_calls   # merge_heads' copy of the fill
+    total = {fix_up: sum(c.values()) for fix_up, c in counts.items()}
+    assert total[False] < total[True]
+    assert total[False] <= STEP_OPS[norm_first], f"{total[False]} ops per step, over the budget {STEP_OPS[norm_first]}"
+
+
+def _decoder_only(arch):
+    from transformer.modern.gpt import DecoderOnly, DecoderOnlyConfig
+    return DecoderOnly(DecoderOnlyConfig(src_vocab=V, tgt_vocab=V, d_model=D, d_ff=D_FF, h=H, n_layers=2,
+                                         dropout=0.1, max_len=20, arch=arch))
+
+
+@pytest.mark.parametrize("arch", ["encoder-decoder", "decoder-only", "prefix-lm"])
+def test_training_without_the_fix_up_is_the_same_function(monkeypatch, arch):
+    """A padded training batch in float64, dropout on (the same random draws): the loss, the NLL and every gradient
+    are the same bit for bit with and without chapter 3's fix-up, since no query of a training batch is blind."""
+    src, tgt = batch()
+    runs = []
+    for fix_up in (True, False):
+        with monkeypatch.context() as m:
+            if fix_up:
+                _fix_up(m)
+            torch.manual_seed(0)
+            model = speed_up((tiny() if arch == "encoder-decoder" else _decoder_only(arch)).double().train())
+            torch.manual_seed(1)
+            loss, nll = FastSeq2SeqLoss(model, 0.1)(src, tgt)
+            loss.backward()
+            runs.append((loss.detach(), nll, [p.grad for p in model.parameters()]))
+    (l1, n1, g1), (l2, n2, g2) = runs
+    assert torch.equal(l1, l2) and torch.equal(n1, n2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2, strict=True))
+
+
+def test_no_query_of_a_training_batch_is_blind(monkeypatch):
+    """Why the fix-up can go: chapter 8's `make_examples` (as appendix A.1's `prepare` and E.2's `SubwordDropout`)
+    writes `(x EOS, BOS y EOS)`, so even an empty sentence holds a token that is not PAD; the encoder and the
+    cross-attention are masked by the source's padding, the decoder by the causal flag (chapter 19.1: causal and
+    padding over one packed sequence whose first position is a real token). Every mask that reaches the kernel
+    without the fix-up, in a training step on padded batches with empty sentences, lets every query see a key."""
+    from pathlib import Path
+
+    import transformer.engine.fast as fast
+    from transformer.modern.gpt import DecoderOnly, DecoderOnlyConfig
+    from transformer.tokens import Tokenizer
+    from transformer.training import collate, make_examples
+    tokenizer = Tokenizer.load(Path(__file__).resolve().parents[1] / "book" / "model" / "tokenizer.model")
+    pairs = [("", ""), ("Ein Hund rennt.", ""), ("", "A dog runs."),
+             ("Zwei Männer spielen Fußball auf einer Wiese.", "Two men play football on a meadow.")]
+    examples = make_examples(tokenizer, pairs)
+    assert all(PAD not in s and s and t[0] == BOS for s, t in examples)
+    src, tgt = collate(examples, range(len(examples)))
+    assert (src == PAD).any() and (tgt == PAD).any()                 # padded on both sides
+    seen, kernel = [], fast._no_blind_rows
+
+    def spy(query, key, value, mask=None, *args, **kwargs):
+        seen.append(mask)
+        return kernel(query, key, value, mask, *args, **kwargs)
+
+    monkeypatch.setattr(fast, "_no_blind_rows", spy)
+    for arch in ("encoder-decoder", "decoder-only", "prefix-lm"):
+        torch.manual_seed(0)
+        config = dict(src_vocab=8000, tgt_vocab=8000, d_model=16, d_ff=32, h=2, n_layers=1, max_len=32)
+        model = (Transformer(TransformerConfig(**config)) if arch == "encoder-decoder" else
+                 DecoderOnly(DecoderOnlyConfig(**config, arch=arch)))
+        seen.clear()
+        FastSeq2SeqLoss(speed_up(model).train(), 0.1)(src, tgt)[0].backward()
+        masks = [m for m in seen if m is not None]
+        assert masks and all(m.any(-1).all() for m in masks), arch
+
+
+def test_outside_training_the_sped_up_attention_keeps_chapter_3s_contract(monkeypatch):
+    """Evaluation, or `float32_attention` called as chapter 3's function (`blind_rows=True`, the default): a query
+    that sees no key gets zeros, never NaN, exactly as chapter 4's `MultiHeadAttention` gives it, through chapter
+    3's fix-up (PyTorch 2.13's CPU kernel gives such a row zeros by itself, not every kernel: the spy tells)."""
+    import transformer.engine.fast as fast_module
+
+    def refused(*args, **kwargs):
+        raise AssertionError("the kernel without the fix-up, outside training")
+
+    monkeypatch.setattr(fast_module, "_no_blind_rows", refused)
+    q, k, v = qkv()
+    mask = torch.rand(2, 1, 6, 6, generator=torch.Generator().manual_seed(3)) > 0.4
+    mask[0, 0, 2] = False                                            # query 2 of row 0 sees no key
+    out, _ = float32_attention(q, k, v, mask)
+    assert torch.equal(out, scaled_dot_product_attention(q, k, v, mask)[0]) and (out[0, :, 2] == 0).all()
+    torch.manual_seed(0)
+    plain = MultiHeadAttention(D, H, dropout=0.1).double().eval()
+    fast = speed_up(copy.deepcopy(plain))
+    x = torch.randn(2, 6, D, dtype=F64)
+    assert torch.equal(fast(x, x, x, mask)[0], plain(x, x, x, mask)[0])
+    assert not fast(x, x, x, mask)[0].isnan().any()

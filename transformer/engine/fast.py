@@ -63,20 +63,36 @@ class Dropout(nn.Dropout):
 _LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+def _no_blind_rows(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
+                   dropout_p: float = 0.0, need_weights: bool = False,
+                   is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+    """Chapter 3's `scaled_dot_product_attention` for a mask under which every query sees
+    at least one key: PyTorch's kernel with the mask as it is, no fix-up of blind rows."""
+    if need_weights or mask is None:
+        return scaled_dot_product_attention(query, key, value, mask, dropout_p,
+                                            need_weights, is_causal)
+    return F.scaled_dot_product_attention(query, key, value, attn_mask=mask,
+                                          dropout_p=dropout_p), None
+
+
 def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                       dropout_p: float = 0.0, need_weights: bool = False,
-                      is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
+                      is_causal: bool = False, blind_rows: bool = True
+                      ) -> tuple[Tensor, Tensor | None]:
     """Chapter 3's `scaled_dot_product_attention`, except that on a CPU bfloat16/float16
     inputs (or CPU autocast) go through the kernel in float32 and come back in the low
-    precision: PyTorch's low-precision CPU kernel is several times slower at our sizes."""
+    precision: PyTorch's low-precision CPU kernel is several times slower at our sizes.
+    `blind_rows=False` is the caller's promise that every query sees at least one key (a
+    training batch: see `Float32Attention`): the mask goes to PyTorch's kernel as it is,
+    without chapter 3's fix-up of the queries that see none (ops saved on every call)."""
+    attend = scaled_dot_product_attention if blind_rows else _no_blind_rows
     low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
            else query.dtype)
     if query.device.type != "cpu" or need_weights or low not in _LOW_PRECISION:
-        return scaled_dot_product_attention(query, key, value, mask, dropout_p,
-                                            need_weights, is_causal)
+        return attend(query, key, value, mask, dropout_p, need_weights, is_causal)
     with torch.autocast("cpu", enabled=False):        # float32 inside, whatever autocast says
-        out, _ = scaled_dot_product_attention(query.float(), key.float(), value.float(),
-                                              mask, dropout_p, is_causal=is_causal)
+        out, _ = attend(query.float(), key.float(), value.float(), mask, dropout_p,
+                        is_causal=is_causal)
     return out.to(low), None
 
 # %% ../../book/d_2_fast.ipynb #f007
@@ -92,7 +108,13 @@ class Float32Attention(MultiHeadAttention):
     with $W^Q, W^K, W^V$ as one matrix product where they read one input (self-attention;
     $W^K, W^V$ in cross-attention): fewer, larger products, the same parameters. In
     evaluation the products stay chapter 4's, so the logits are the plain model's bit for
-    bit on any CPU. `speed_up` swaps it in."""
+    bit on any CPU. In training the mask goes to PyTorch's kernel without chapter 3's fix-up
+    of queries that see no key (`blind_rows=False`): a training batch has none. Every source
+    holds its EOS and every target its BOS (chapter 8's `make_examples`, appendix A.1's
+    `prepare` and E.2's `SubwordDropout` write `(x EOS, BOS y EOS)`; the tokenizer never
+    writes PAD), the encoder and the cross-attention are masked by the source's padding
+    only, and the decoder gets the causal flag (chapter 19.1's packed sequences: causal and
+    padding, position 0 a real token). `speed_up` swaps it in."""
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                 need_weights: bool = False, is_causal: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
@@ -104,7 +126,7 @@ class Float32Attention(MultiHeadAttention):
             q, k, v = self.w_q(query), self.w_k(key), self.w_v(value)
         q, k, v = (split_heads(t, self.h) for t in (q, k, v))
         out, weights = float32_attention(q, k, v, mask, self.dropout if self.training else 0.0,
-                                         need_weights, is_causal)
+                                         need_weights, is_causal, blind_rows=not self.training)
         return self.w_o(merge_heads(out)), weights
 
 
