@@ -10,6 +10,7 @@ writes), and finds none left in what a reader sees; the built site shows the sam
 It also checks that `tests/plain_markup.py --write` has nothing left to do: every number written
 from its glue record, every fold a `<details>`, every solution cell collapsed (and that a second
 run would change nothing)."""
+import ast
 import copy
 import json
 import re
@@ -182,11 +183,16 @@ def test_the_comment_check_sees_it():
 MEASURED = re.compile(r"^\| (\w+) \| (\d+) \(`([\w-]+)`\) \| `(.+?)`(?: [^|]*)? \| (.+) \|$", re.M)
 
 
+def margins_table(title: str) -> str:
+    "The text of CONTRIBUTING's section `#### {title}`, up to the next heading of level 2 or 4."
+    text = CONTRIBUTING.read_text(encoding="utf-8")
+    section = text[text.index(f"#### {title}\n") + len(title) + 6:]
+    return section[:min(section.index(end) for end in ("\n## ", "\n#### ") if end in section)]
+
+
 def test_the_measured_margins_name_asserts_that_exist():
     "Each row of CONTRIBUTING's table names a main-line cell (index and id) that holds its assert."
-    text = CONTRIBUTING.read_text(encoding="utf-8")
-    section = text[text.index("#### Measured margins of the notebooks' checks"):]
-    section = section[:section.index("\n## ")]
+    section = margins_table("Measured margins of the notebooks' checks")
     rows = MEASURED.findall(section)
     assert len(rows) == len(re.findall(r"(?m)^\| ", section)) - 1 > 0   # every row but the header
     for stem, index, cell_id, code, measured in rows:
@@ -194,4 +200,21 @@ def test_the_measured_margins_name_asserts_that_exist():
         cell = cells[int(index)]
         assert cell.get("id") == cell_id, (stem, index, cell_id, cell.get("id"))
         assert re.sub(r"\s", "", code) in re.sub(r"\s", "", source(cell)), (stem, cell_id, code)
+        assert measured.strip()
+
+
+MEASURED_TESTS = re.compile(r"^\| (test_\w+\.py) \| (test_\w+) \| `(.+?)` \| (.+) \|$", re.M)
+
+
+def test_the_tests_measured_margins_name_asserts_that_exist():
+    "Each row of CONTRIBUTING's second table names a test function of tests/ that holds its assert."
+    section = margins_table("Measured margins of the tests' checks")
+    rows = MEASURED_TESTS.findall(section)
+    assert len(rows) == len(re.findall(r"(?m)^\| ", section)) - 1 > 0   # every row but the header
+    for file, name, code, measured in rows:
+        text = (Path(__file__).parent / file).read_text(encoding="utf-8")
+        functions = {f.name: ast.get_source_segment(text, f) for f in ast.walk(ast.parse(text))
+                     if isinstance(f, ast.FunctionDef)}
+        assert name in functions, (file, name)
+        assert re.sub(r"\s", "", code) in re.sub(r"\s", "", functions[name]), (file, name, code)
         assert measured.strip()
