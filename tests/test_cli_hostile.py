@@ -280,16 +280,17 @@ def test_a_run_taken_before_its_result_is_recorded_is_busy(tmp_path, monkeypatch
 
 @pytest.mark.slow
 @pytest.mark.parametrize("signal_name, error, code", [("SIGINT", KeyboardInterrupt, 130), ("SIGTERM", Terminated, 143)])
-def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k, tmp_path, monkeypatch, signal_name,
-                                                                      error, code):
+def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k_slice, tmp_path, monkeypatch,
+                                                                      signal_name, error, code):
     out = tmp_path / "run"                                            # 3 steps: the claim is about what comes after
+    short = [*SHORT, "--data", multi30k_slice, "--unverified-data"]   # tests/conftest.py: Multi30k's first pairs
 
     def interrupted(*args, **kwargs):
         raise error()
     monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
-    got, stdout, err = run(*SHORT, "--out", out)
+    got, stdout, err = run(*short, "--out", out)
     assert got == code and err.count("\n") == 1 and "Traceback" not in err, err
-    again = f"python -m transformer {shlex.join(str(a) for a in [*SHORT, '--out', out, '--resume'])}"
+    again = f"python -m transformer {shlex.join(str(a) for a in [*short, '--out', out, '--resume'])}"
     assert err == (f"{signal_name} during the final evaluation: training finished (step 3) and its checkpoints are "
                    f"saved in {out}; redo the final evaluation with: {again}\n")
     assert (out / "last.pt").exists() and (out / "best.pt").exists() and not (out / "results.json").exists()
@@ -303,7 +304,7 @@ def test_an_interrupt_during_the_final_evaluation_says_how_to_redo_it(multi30k, 
 
 
 @pytest.mark.slow
-def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi30k, tmp_path, monkeypatch):
+def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi30k_slice, tmp_path, monkeypatch):
     """A run that --max-minutes stopped (here at step 3 of 5) resumes with --max-steps at its step: resumed
     without it, it would train on."""
     import dataclasses
@@ -317,7 +318,8 @@ def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi3
         raise KeyboardInterrupt
     monkeypatch.setattr(cli_train, "train", by_the_clock)
     monkeypatch.setattr(cli_train, "final_evaluation", interrupted)
-    got, stdout, err = run(*SHORT, "--max-steps", 5, "--out", out)         # the last --max-steps wins
+    got, stdout, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--max-steps", 5,
+                           "--out", out)                                    # the last --max-steps wins
     assert got == 130 and err.endswith(f"--out {out} --resume --max-steps 3\n"), err
     metrics = (out / "metrics.jsonl").read_text()
     monkeypatch.undo()

@@ -131,7 +131,10 @@ def test_bleu_callback_with_two_processes_translates_shares_and_scores_all(tmp_p
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_sharded_callback_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True)
+    # forked, not spawned: the two processes start with torch and this package imported (a spawned one imports
+    # them again, seconds of CPU each); each sets one thread before its first torch op
+    mp.start_processes(_sharded_callback_worker, args=(2, port, str(tmp_path)), nprocs=2, join=True,
+                       start_method="fork")
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert got["hyps"] == [expected_hyps]                      # every process scored every sentence, in order

@@ -209,10 +209,12 @@ def cli(*argv):
 
 
 @pytest.mark.slow
-def test_train_command_with_arch_writes_a_run_that_translates(multi30k, tmp_path):
-    "In this process (`python -m transformer train` in a fresh one: tests/test_cli.py)."
+def test_train_command_with_arch_writes_a_run_that_translates(multi30k_slice, tmp_path):
+    """In this process (`python -m transformer train` in a fresh one: tests/test_cli.py), on Multi30k's first
+    pairs (tests/conftest.py's slice: the claim is about the run, not the corpus)."""
     out = tmp_path / "run"
-    code, _, err = cli("train", "--preset", "tiny", "--arch", "decoder-only", "--layers", "3",
+    code, _, err = cli("train", "--data", multi30k_slice, "--unverified-data",
+                       "--preset", "tiny", "--arch", "decoder-only", "--layers", "3",
                        "--max-steps", "4", "--eval-every", "2", "--eval-sentences", "2",
                        "--vocab-size", "300", "--batch-tokens", "1500", "--beam", "2", "--threads", "1",
                        "--alpha", "0.6", "--eval-split", "val",        # one final scoring, not five

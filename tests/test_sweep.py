@@ -189,13 +189,19 @@ def test_run_state_and_command_line(tmp_path):
 
 # ---- a real sweep ------------------------------------------------------------------------------------------------
 
+def on_slice(multi30k_slice):
+    """BASE on the slice of Multi30k (tests/conftest.py: its first 2,000 training pairs, its val and test whole): a
+    variant's run needs to exist, not to have read the whole corpus, and tokenizes a fifteenth of it."""
+    return [*BASE, "--data", str(multi30k_slice), "--unverified-data"]
+
+
 @pytest.fixture(scope="module")
-def swept(multi30k, tmp_path_factory):
+def swept(multi30k_slice, tmp_path_factory):
     """Two train variants two at a time (one with a stub left by a run killed before its first checkpoint), one that
     train refuses, one evaluate variant that fails; then an evaluate variant of a finished run."""
     tmp = tmp_path_factory.mktemp("sweep")
     out = tmp / "runs"
-    path = write_variants(tmp / "variants.json", [
+    path = write_variants(tmp / "variants.json", base=on_slice(multi30k_slice), variants=[
         {"name": "a", "row": "base", "note": "the base"},
         {"name": "b", "row": "E", "args": ["--positions", "none", "--d-k", "8", "--norm", "pre"]},
         {"name": "bad", "row": "A", "args": BAD_SHAPE},
@@ -217,7 +223,9 @@ def test_list_prints_each_state_and_command(swept, tmp_path):
     lines = list_out.splitlines()
     assert [line.split()[:2] for line in lines] == [["new", "a"], ["new", "b"], ["new", "bad"], ["new", "ev-missing"],
                                                     ["new", "ev"]]
-    assert lines[0].split(None, 2)[2] == " ".join(["-m", "transformer", "train", *BASE, "--out", str(out / "a"),
+    base, _ = read_variants(path)
+    assert base[:len(BASE)] == BASE                                          # on_slice(...)
+    assert lines[0].split(None, 2)[2] == " ".join(["-m", "transformer", "train", *base, "--out", str(out / "a"),
                                                    "--quiet"])
     assert "evaluate --model" in lines[-1] and lines[-1].endswith("--beam 1 --json")
     code, now, err = sweep(path, "--out", out, "--list", "--threads", 1)
@@ -329,16 +337,21 @@ def test_results_copies_the_small_files_and_collect_reads_them(swept, tmp_path):
 # ---- stopped by a signal, resumed ----------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
+def test_a_stopped_sweep_resumes_its_variant(multi30k_slice, tmp_path, monkeypatch):
     """SIGTERM to the sweep's process: the child saves last.pt, the sweep exits 130; the same command (its budget
     now set) continues the variant with --resume up to --max-steps. The sweep runs in this process (main(argv), what
     `python -m transformer sweep` runs: tests/test_cli.py starts that), so that its train children are the only
-    interpreters started; a thread sends this process the SIGTERM once the child saved its first last.pt."""
+    interpreters started; a thread sends this process the SIGTERM once the child saved its first last.pt.
+    The child is `python -m transformer train` in a process of its own, and this is the suite's test of what train
+    does on SIGTERM (tests/test_cli.py had one more process for it): it finishes its step, saves last.pt, exits
+    with 143 (128 + SIGTERM) and says on its last line of stderr, with no traceback, how to continue."""
     import threading
     out = tmp_path / "runs"
+    jobs = _children(monkeypatch, {})                                   # the real commands; the jobs kept
     # --eval-share 1: an evaluation every --eval-every steps, whatever it costs (the schedule asserted below)
     path = write_variants(tmp_path / "v.json", [{"name": "long", "row": "x",
-                                                  "args": ["--max-steps", "100000", "--eval-share", "1"]}])
+                                                  "args": ["--max-steps", "100000", "--eval-share", "1"]}],
+                          base=on_slice(multi30k_slice))
     sent, done = [], threading.Event()
 
     def stop_when_saved():
@@ -365,12 +378,17 @@ def test_a_stopped_sweep_resumes_its_variant(multi30k, tmp_path):
     step = state["progress"]["step"]
     assert step >= 3
     log = (out / "long" / "log.txt").read_text()
-    assert f"SIGTERM at step {step}: saved {out / 'long' / 'last.pt'}" in log and "Traceback" not in log
+    assert [job.proc.returncode for job in jobs] == [128 + signal.SIGTERM]
+    last = log.strip().splitlines()[-1]                                 # train's stderr, the end of the log
+    assert last.startswith(f"SIGTERM at step {step}: saved {out / 'long' / 'last.pt'}; continue with: "
+                           "python -m transformer train --preset tiny")
+    assert last.endswith(" --resume") and "Traceback" not in log
     assert run_state(out / "long") == "interrupted" and not (out / "long" / "failed.json").exists()
     code, listed, _ = sweep(path, "--out", out, "--list", "--threads", 1)
     assert listed.split()[:2] == ["interrupted", "long"] and listed.rstrip().endswith("--threads 1 --resume")
     # the same sweep, with a budget that ends soon
-    write_variants(path, [{"name": "long", "row": "x", "args": ["--max-steps", str(step + 3), "--eval-share", "1"]}])
+    write_variants(path, [{"name": "long", "row": "x", "args": ["--max-steps", str(step + 3), "--eval-share", "1"]}],
+                   base=on_slice(multi30k_slice))
     code, stdout, err = sweep(path, "--out", out, "--threads", 1)
     assert code == 0, (out / "long" / "log.txt").read_text()
     first, again = commands_in_log(out / "long")
@@ -442,9 +460,12 @@ def test_a_live_run_is_left_alone(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_output_the_sweep_cannot_parse_is_a_failure_and_the_sweep_goes_on(tmp_path, monkeypatch):
-    "`evaluate --help` prints no JSON line; a child that prints 100 KB must not block the sweep on a pipe."
+    """An evaluation that exits 0 but whose last line is no JSON object (as `evaluate --help` prints its help) is a
+    failure; a child that prints 100 KB must not block the sweep on a pipe. Both children are stand-ins (the sweep
+    reads what a child prints, whichever child: a real evaluate variant runs in the `swept` fixture)."""
     big = "import json\nprint('x' * 100_000)\nprint(json.dumps({'bleu': 1.5}))"
-    _children(monkeypatch, {"big": [sys.executable, "-c", big]})
+    usage = "print('usage: python -m transformer evaluate [-h] ...')\nprint('  --output FILE  the translations')"
+    _children(monkeypatch, {"big": [sys.executable, "-c", big], "help": [sys.executable, "-c", usage]})
     path = write_variants(tmp_path / "v.json", [{"name": "help", "row": "x", "command": "evaluate", "args": ["--help"]},
                                                 {"name": "big", "row": "x", "command": "evaluate"}])
     code, stdout, err = sweep(path, "--out", tmp_path / "runs")
