@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -12,13 +11,12 @@ import sys
 import traceback
 import warnings
 from collections.abc import Callable
-from pathlib import Path
 from typing import get_args, get_type_hints
 
 import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
-from ..engine.checkpoints import atomic_write
+from ..engine.checkpoints import write_json  # noqa: F401 (the commands import it from here)
 from ..engine.devices import DEVICES
 from ..engine.trained import BATCH_TOKENS
 from ..model import POSITIONS, PRESETS, TransformerConfig
@@ -26,8 +24,8 @@ from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
-           'CLIError', 'as_typed', 'build_parser', 'describe_device', 'write_json', 'load_pairs', 'Terminated',
-           'report', 'run_command']
+           'CLIError', 'as_typed', 'build_parser', 'describe_device', 'load_pairs', 'Terminated', 'report',
+           'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -398,15 +396,6 @@ def describe_device(device: torch.device) -> str:
     threads = torch.get_num_threads()
     return (f"cpu ({os.cpu_count()} cores, {threads} "
             f"thread{'s' if threads != 1 else ''}, {platform.machine()})")
-
-
-def write_json(path: Path, obj, compact: bool = False) -> None:
-    """Write `obj` to `path` as UTF-8 JSON and a newline, atomically (appendix E's
-    `atomic_write`): indented, or `compact` (no spaces, non-ASCII as is: what a web page
-    downloads, appendix I). The one JSON writer of the command line."""
-    text = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) if compact
-            else json.dumps(obj, indent=2))
-    atomic_write(path, lambda f: f.write((text + "\n").encode("utf-8")))
 
 
 def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:

@@ -24,10 +24,10 @@ from ..model import Transformer, TransformerConfig
 from ..training import TrainConfig
 
 # %% auto #0
-__all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'save_checkpoint', 'checkpoint_state',
-           'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes', 'read_model_config',
-           'model_from_checkpoint', 'host_copy', 'CheckpointWriter', 'TrainingError', 'read_metrics',
-           'truncate_metrics', 'check_resumable', 'load_optimizer_state']
+__all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'write_json', 'save_checkpoint',
+           'checkpoint_state', 'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes',
+           'read_model_config', 'model_from_checkpoint', 'host_copy', 'CheckpointWriter', 'TrainingError',
+           'read_metrics', 'truncate_metrics', 'check_resumable', 'load_optimizer_state']
 
 # %% ../../book/e_checkpoints.ipynb #e004
 CHECKPOINT_FORMAT = "transformer-book/checkpoint/1"
@@ -106,6 +106,15 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
                             f"{fix.capitalize()} and {again}") from None
         raise
     return path
+
+
+def write_json(path: str | os.PathLike, obj, compact: bool = False) -> None:
+    """Write `obj` to `path` as UTF-8 JSON and a newline, all or nothing (`atomic_write`):
+    indented, or `compact` (no spaces, non-ASCII as is: what a web page downloads,
+    appendix I). The one JSON writer of the engine and the command line."""
+    text = (json.dumps(obj, ensure_ascii=False, separators=(",", ":")) if compact
+            else json.dumps(obj, indent=2))
+    atomic_write(path, lambda f: f.write((text + "\n").encode("utf-8")))
 
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer,
@@ -295,6 +304,7 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                               "build: "
                               f"{_shorten(' '.join(str(e).split()))}") from None
     return model.to(device).eval()
+
 
 # %% ../../book/e_checkpoints.ipynb #e005b
 def host_copy(state):

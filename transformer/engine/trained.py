@@ -24,6 +24,7 @@ from transformer.engine.checkpoints import (
     atomic_write,
     load_checkpoint,
     model_from_checkpoint,
+    write_json,
 )
 from .fast import translate
 from ..model import Transformer
@@ -284,15 +285,13 @@ class TrainedModel:
             text = lambda s: (lambda f: f.write(s))
             atomic_write(out / "tokenizer.model",
                          text((run_dir / "tokenizer.model").read_bytes()))
-            atomic_write(out / "config.json", text(json.dumps(self.config, indent=2) + "\n"),
-                         mode="w")
+            write_json(out / "config.json", self.config)
             results = {"checkpoint": "best", **provenance,
                        "dtype": "float16" if half else "float32",
                        "weights": WEIGHTS, "weights_sha256": sha256_file(out / WEIGHTS),
                        "tokenizer_sha256": tok}
-            atomic_write(out / "results.json", text(json.dumps(results, indent=2) + "\n"),
-                         mode="w")
-            atomic_write(out / "README.md", text(model_card(self, results)), mode="w")
+            write_json(out / "results.json", results)
+            atomic_write(out / "README.md", text(model_card(self, results).encode("utf-8")))
         except BaseException:
             for name in names:
                 (out / name).unlink(missing_ok=True)
