@@ -14,7 +14,10 @@ from transformer.modern.llama import (
     to_hf_state_dict,
 )
 
-transformers = pytest.importorskip("transformers")
+
+def _hf():
+    "Hugging Face's transformers, imported by the tests that compare with it (about 3 s: not at collection)."
+    return pytest.importorskip("transformers")
 
 
 def _random(seed, **overrides):
@@ -28,6 +31,7 @@ def _random(seed, **overrides):
 
 
 def _twin(model):
+    transformers = _hf()
     hf = transformers.LlamaForCausalLM(
         transformers.LlamaConfig(**hf_config_dict(model.config))).eval()
     hf.load_state_dict(to_hf_state_dict(model), strict=True)
