@@ -509,6 +509,21 @@ def test_no_query_of_a_training_batch_is_blind(monkeypatch):
         assert masks and all(m.any(-1).all() for m in masks), arch
 
 
+def test_train_refuses_an_example_whose_side_is_empty():
+    """The promise above holds for any examples `train` is given, not only the ones `make_examples` writes: a side
+    with no token but padding (an empty id list, or PADs only) is refused at the data boundary, before a step."""
+    from transformer.engine.loop import check_examples
+    config = TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1)
+    fine = [([5, 3], [BOS, 6, 3])]
+    check_examples(fine, config, "train_examples")                      # no error
+    for bad in ([], [PAD, PAD]):
+        with pytest.raises(ValueError, match=r"train_examples\[1\]: the source holds no token but padding"):
+            check_examples([*fine, (bad, [BOS, 6, 3])], config, "train_examples")
+    for bad in ([], [PAD]):
+        with pytest.raises(ValueError, match=r"val_examples\[0\]: the target holds no token but padding"):
+            check_examples([([5, 3], bad)], config, "val_examples")
+
+
 def test_outside_training_the_sped_up_attention_keeps_chapter_3s_contract(monkeypatch):
     """Evaluation, or `float32_attention` called as chapter 3's function (`blind_rows=True`, the default): a query
     that sees no key gets zeros, never NaN, exactly as chapter 4's `MultiHeadAttention` gives it, through chapter

@@ -50,7 +50,7 @@ from transformer.engine.devices import (  # appendix F
 )
 from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
 from ..model import Transformer, TransformerConfig
-from ..tokens import UNK, Tokenizer, token_batches
+from ..tokens import PAD, UNK, Tokenizer, token_batches
 from transformer.training import (
     TrainConfig,
     collate,
@@ -89,8 +89,9 @@ class TrainResult:
 
 
 def check_examples(examples, config: TransformerConfig, name: str) -> None:
-    """Every id of `(src_ids, tgt_ids)` examples inside its vocabulary: checked once,
-    here, so that the training step need not read its data back from the device. A
+    """Every id of `(src_ids, tgt_ids)` examples inside its vocabulary, and no side
+    empty: checked once, here, so that the training step need not read its data back
+    from the device (nor fix up attention rows that see no key: appendix D.2). A
     prepared corpus (appendix A.1) holds ids its tokenizer wrote: its vocabulary must fit."""
     if hasattr(examples, "vocab_size"):
         if examples.vocab_size > min(config.src_vocab, config.tgt_vocab):
@@ -105,6 +106,10 @@ def check_examples(examples, config: TransformerConfig, name: str) -> None:
                 bad = min(ids) if min(ids) < 0 else max(ids)
                 raise ValueError(f"{name}[{i}]: the {side} holds token id {bad} "
                                  f"outside the vocabulary [0, {vocab})")
+            if not ids or max(ids) == PAD:   # a query would see no key (appendix D.2)
+                raise ValueError(f"{name}[{i}]: the {side} holds no token but padding; "
+                                 "encode every sentence with its end token, as "
+                                 "make_examples does (an empty one becomes [EOS])")
 
 
 @torch.no_grad()
