@@ -56,7 +56,6 @@ FIXTURE_MARKS = {
     "copier": ("slow",), "copier_run": ("slow",),   # a model trained to copy (below)
     "alone": ("slow",),                             # tests/test_cli_hostile.py: the shipped model translates
     "prepared_multi30k": ("slow",),                 # tests/test_cli.py: `prepare` over the slice (below)
-    "multi30k_slice": ("slow",),                    # what trains on Multi30k's first pairs (below)
 }
 
 
@@ -95,7 +94,9 @@ def multi30k():
 
 
 # what a command-line run needs of Multi30k's train split when the claim is about the run, not about the corpus:
-# pairs enough for a 1,000-piece tokenizer and for tens of steps of a tiny model in under one epoch
+# pairs enough for a 1,000-piece tokenizer and for tens of steps of a tiny model in under one epoch. Not slow itself
+# (a tenth of a second): a test that trains on it marks itself, a bad-input test that only reads it stays in the
+# fast lane (test_cli's test_batch_tokens_too_small_fails_before_the_tokenizer)
 SLICE_PAIRS = 2000
 
 

@@ -97,14 +97,15 @@ def test_a_run_that_ends_on_its_evaluation_keeps_its_last_step_as_a_snapshot(tmp
 
 
 def test_eval_share_keeps_the_evaluations_within_their_share_of_the_run(tmp_path, evaluations):
-    """A step 1 s, an evaluation 5 s, one due every 10 steps: without `eval_share` all 30 run (5 s of every 15:
+    """A step 1 s, an evaluation 5 s, one due every 10 steps: without `eval_share` all 20 run (5 s of every 15:
     a third of the run). With 0.1 an evaluation is put off while it would pass a tenth of the time so far; the first
-    and the final one run, each at a multiple of eval_every or at the end, and the share ends near 0.1, not 1/3."""
-    result, calls = evaluations(tmp_path, max_steps=300, eval_share=0.1)
-    assert calls[0] == 10 and calls[-1] == 300 and all(s % 10 == 0 for s in calls)
-    assert 3 < len(calls) < 30
+    and the final one run, each at a multiple of eval_every or at the end, and the share ends near 0.1, not 1/3
+    (on this clock: at steps 10, 90, 140, 180 and 200; 300 steps add 230 and 270, at the same share)."""
+    result, calls = evaluations(tmp_path, max_steps=200, eval_share=0.1)
+    assert calls[0] == 10 and calls[-1] == 200 and all(s % 10 == 0 for s in calls)
+    assert 3 < len(calls) < 20
     clock = evaluations.clock[0]
-    assert clock == 300 + 5 * len(calls)
+    assert clock == 200 + 5 * len(calls)
     assert 5 * (len(calls) - 1) <= 0.1 * (clock - 5)                # every evaluation but the final one within 10 %
     assert 5 * len(calls) / clock > 0.05                             # put off, not dropped: the share is used
     saved = [r["step"] for r in result.history if r["kind"] == "eval"]

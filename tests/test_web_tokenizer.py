@@ -152,18 +152,26 @@ def test_tokenizer_json_is_the_models_tokenizer():
 
 def test_tokenizer_matches_sentencepiece_on_multi30k(node, sp, tokenizer_json, multi30k, tmp_path):
     from transformer.data import load_multi30k
-    counts = {}
+    sides = {}                                                   # "val.de": its sentences, ...
     for split in ("val", "test_2016_flickr"):
         pairs = load_multi30k("de", "en", split, progress=False)
-        for lang, texts in (("de", [s for s, _ in pairs]), ("en", [t for _, t in pairs])):
-            want, got = tokenize(node, sp, tokenizer_json, texts, tmp_path)
-            same = sum(w == g for w, g in zip(want, got["ids"]))
-            counts[f"{split}.{lang}"] = (same, len(texts))
-            wrong = [(t, w, g) for t, w, g in zip(texts, want, got["ids"]) if w != g]
-            assert not wrong, f"{split}.{lang}: {len(wrong)} of {len(texts)} differ; first: {wrong[:3]}"
-            decoded = sp.decode(want)
-            assert got["decoded"] == decoded, f"{split}.{lang}: decode differs from sentencepiece's"
-            assert got["pieces"] == sp.encode(texts, out_type=str)
+        sides |= {f"{split}.de": [s for s, _ in pairs], f"{split}.en": [t for _, t in pairs]}
+    # one Node process for the four sides (a process each cost more than the tokenizing), read side by side
+    want_all, got_all = tokenize(node, sp, tokenizer_json, [t for texts in sides.values() for t in texts], tmp_path)
+    counts, start = {}, 0
+    for side, texts in sides.items():
+        end = start + len(texts)
+        want = want_all[start:end]
+        got = {key: got_all[key][start:end] for key in ("ids", "pieces", "decoded")}
+        start = end
+        same = sum(w == g for w, g in zip(want, got["ids"]))
+        counts[side] = (same, len(texts))
+        wrong = [(t, w, g) for t, w, g in zip(texts, want, got["ids"]) if w != g]
+        assert not wrong, f"{side}: {len(wrong)} of {len(texts)} differ; first: {wrong[:3]}"
+        decoded = sp.decode(want)
+        assert got["decoded"] == decoded, f"{side}: decode differs from sentencepiece's"
+        assert got["pieces"] == sp.encode(texts, out_type=str)
+    assert start == len(want_all) == len(got_all["ids"]) == len(got_all["pieces"]) == len(got_all["decoded"])
     print(f"sentences whose JS ids equal sentencepiece's ({tokenizer_json.parent.name}/{tokenizer_json.name}):",
           counts)
     assert sum(n for _, n in counts.values()) == 2 * (1014 + 1000)
@@ -218,12 +226,18 @@ def test_tokenizer_on_random_strings(node, sp, tokenizer_json, tmp_path):
         assert len(wrong) <= 20, len(wrong)
 
 
+@pytest.fixture(scope="module")
+def decompiled() -> list[list[str]]:
+    "The model's compiled nmt_nfkc table, decompiled (a second of CPU): its rules [from, to], for both checks below."
+    normalizer = spm.SentencePieceNormalizer(model_file=str(MODEL / "tokenizer.model"))
+    return [list(r) for r in normalizer.decompile()]
+
+
 @pytest.mark.parametrize("table", [False, True], ids=["rules", "table"])
-def test_normalizer_matches_every_rule_of_the_model(node, table, tmp_path):
+def test_normalizer_matches_every_rule_of_the_model(node, table, decompiled, tmp_path):
     """The model's compiled nmt_nfkc table, decompiled: 225,276 rules (from -> to), each checked in JS,
     by NFKC + nmt rules and by the table's trie."""
-    normalizer = spm.SentencePieceNormalizer(model_file=str(MODEL / "tokenizer.model"))
-    rules = [list(r) for r in normalizer.decompile()]
+    rules = decompiled
     assert len(rules) > 200_000
     request = {"name": "nmt_nfkc", "rules": rules}
     if table:
