@@ -639,11 +639,38 @@ def _copy(trained, tmp_path, name="copy"):
     return out
 
 
-def _cli(*argv, timeout=300, **kw):
-    "`python -m transformer ...` in a child process (one thread, the test's data)."
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "transformer", *map(str, argv)], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+def _forked(*argv) -> tuple[int, int]:
+    """`run(*argv)` in a child forked from this process: a second process that imports nothing again (torch and
+    the package come with the fork; `python -m transformer` itself is test_python_dash_m_runs_main's, and the
+    sweep's children's in tests/test_sweep.py). Returns its pid and the read end of a pipe on which it writes
+    (exit code, stdout, stderr) as JSON; `_joined` reads it."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:                                                   # the child: never returns into pytest
+        try:
+            os.close(read)
+            with os.fdopen(write, "w") as said:
+                json.dump(run(*argv), said)
+        finally:
+            os._exit(0)
+    os.close(write)
+    return pid, read
+
+
+def _joined(child: tuple[int, int], timeout=600) -> tuple[int, str, str]:
+    "What the child of `_forked` wrote, once it ended (killed after `timeout` seconds)."
+    import select
+    pid, read = child
+    try:
+        if not select.select([read], [], [], timeout)[0]:
+            os.kill(pid, signal.SIGKILL)
+            pytest.fail(f"the forked run did not end within {timeout} s")
+        with os.fdopen(read) as said:
+            text = said.read()
+    finally:
+        os.waitpid(pid, 0)
+    assert text, "the forked run ended without a result"
+    return tuple(json.loads(text))
 
 
 def test_foreign_tokenizer_is_refused(trained, sliced, tmp_path):
@@ -770,11 +797,11 @@ def test_save_checkpoint_on_a_full_tmpfs(tmp_path):
 @pytest.mark.slow
 def test_two_trainings_into_one_directory(sliced, tmp_path):
     """Started together: one trains, the other is refused with one line; the run left is whole and consistent. One
-    runs in another process (`python -m transformer train`), the other meanwhile in this one (no second import)."""
+    runs in another process (forked from this one, `_forked`), the other meanwhile in this one."""
     out = tmp_path / "both"
-    fr_en = _cli(*SHORT, *sliced, "--src", "fr", "--out", out)     # 3 steps: the claim needs no more
+    fr_en = _forked(*SHORT, *sliced, "--src", "fr", "--out", out)  # 3 steps: the claim needs no more
     results = [run(*SHORT, *sliced, "--out", out)]                  # de-en, while fr-en starts
-    results.append((fr_en.wait(timeout=600), fr_en.stdout.read(), fr_en.stderr.read()))
+    results.append(_joined(fr_en))
     codes = sorted(code for code, _, _ in results)
     assert codes == [0, 1], results
     code, _, err = next(r for r in results if r[0] == 1)
