@@ -157,12 +157,13 @@ def test_translate_text_to_text_keeps_order_and_handles_empty(random_model, word
     model = Transformer(TransformerConfig(src_vocab=56, tgt_vocab=56, d_model=32, d_ff=64, h=4, n_layers=1,
                                           dropout=0.0, max_len=128))
     texts = ["one two three", "", "nine", "four four four four five"]
-    out = translate(model, words, texts, batch_size=2)
+    out = translate(model, words, texts, beam_size=1, batch_size=2)
     assert len(out) == 4 and all(isinstance(t, str) for t in out)
-    assert out == [translate(model, words, [t])[0] for t in texts]
+    assert out == [translate(model, words, [t], beam_size=1)[0] for t in texts]
     assert translate(model, words, []) == []
     assert model.training                                              # mode restored
-    assert translate(model, words, texts, beam_size=1) == out
+    # the default search is the package's one default everywhere: beam 4, as the paper
+    assert translate(model, words, texts, batch_size=2) == translate(model, words, texts, beam_size=4, batch_size=2)
 
 
 def test_translate_cuts_a_source_longer_than_max_len_with_a_warning(words):
@@ -172,7 +173,7 @@ def test_translate_cuts_a_source_longer_than_max_len_with_a_warning(words):
                                           dropout=0.0, max_len=8)).eval()
     long = " ".join(["one two"] * 10)                                  # 20 words, more than 8 tokens
     with pytest.warns(UserWarning, match=r"1 source\(s\) longer than max_len=8 tokens were cut"):
-        out = translate(model, words, [long, "one"])
+        out = translate(model, words, [long, "one"], beam_size=1)
     cut = words.encode(long, eos=True)[:7] + [EOS]
     assert out[0] == words.decode(greedy_search(model, torch.tensor([cut]))[0])
 
@@ -408,3 +409,22 @@ def test_beam_search_on_the_device_equals_the_host_version_on_the_trained_copier
     src, _ = pad_batch([s for s, _ in copy_examples(40, seed=11)])
     for K in (2, 4):
         assert beam_search(copier, src, K) == _host_beam_search(copier, src, K)
+
+
+def test_one_beam_default_everywhere():
+    """One name and one default for the search everywhere a user translates: `beam_size=4` (the paper's; 1 is
+    greedy) in every function, `--beam 4` in every command that decodes (`train`'s final scoring included)."""
+    import inspect
+
+    from transformer.cli.commands import build_parser
+    from transformer.engine import fast, trained
+    from transformer.figures import plots
+    for fn in (fast.translate, fast.evaluate, fast.beam_search, fast.bleu_callback, plots.attention_weights,
+               trained.translate_chunks, trained.TrainedModel.translate):
+        assert inspect.signature(fn).parameters["beam_size"].default == 4, fn.__qualname__
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    decoding = {name: sub for name, sub in commands.items()
+                if any(a.dest == "beam" for a in sub._actions)}
+    assert {"train", "translate", "evaluate", "attend"} <= set(decoding)
+    assert {name: sub.get_default("beam") for name, sub in decoding.items()} == dict.fromkeys(decoding, 4)

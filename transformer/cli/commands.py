@@ -377,8 +377,8 @@ def _add_figure_commands(sub) -> None:
                    help="one layer, counted from 1 (default: all)")
     a.add_argument("--head", type=POSITIVE, metavar="H",
                    help="one head, counted from 1 (default: all)")
-    a.add_argument("--beam", type=BEAM, default=1, metavar="K",
-                   help=f"beam size of the translation (default: 1 = greedy; at most "
+    a.add_argument("--beam", type=BEAM, default=4, metavar="K",
+                   help=f"beam size of the translation (default: 4; 1 = greedy; at most "
                         f"{MAX_BEAM})")
     a.add_argument("--out", metavar="FILE",
                    help="the image: .png, .svg or .pdf (default: "

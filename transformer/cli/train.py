@@ -374,7 +374,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
     result = train(model, examples, val_examples, train_config, out_dir=out,
                    resume=args.resume,
-                   on_eval=bleu_callback(tokenizer, val_pairs),
+                   on_eval=bleu_callback(tokenizer, val_pairs, beam_size=1),
                    progress=not args.quiet, run=run,
                    eval_share=None if args.eval_share == 1 else args.eval_share)
     if result.stopped == "interrupted":

@@ -468,11 +468,11 @@ def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
 
 
 def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
-              beam_size: int = 1, alpha: float = 0.6, extra_len: int = 50,
+              beam_size: int = 4, alpha: float = 0.6, extra_len: int = 50,
               batch_size: int = 64) -> list[str]:
-    """Raw source texts -> raw target texts. `beam_size` (default 1: greedy search; the
-    paper used 4, the default of `TrainedModel.translate` and the command line's
-    `--beam`), length penalty `alpha` (default 0.6)."""
+    """Raw source texts -> raw target texts. `beam_size` (default 4, the paper's, as
+    everywhere in the package and the command line's `--beam`; 1: greedy search), length
+    penalty `alpha` (default 0.6)."""
     ids = _source_ids(model, tokenizer, texts, batch_size)   # checked, within max_len
     return _translate_ids(model, tokenizer, ids, beam_size, alpha, extra_len, batch_size)
 
@@ -499,9 +499,9 @@ def _translate_ids(model: Transformer, tokenizer: Tokenizer, ids: list[list[int]
 
 
 def evaluate(model: Transformer, tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
-             beam_size: int = 1, alpha: float = 0.6, batch_size: int = 64) -> dict:
+             beam_size: int = 4, alpha: float = 0.6, batch_size: int = 64) -> dict:
     """Translate the sources of `(source, reference)` pairs and score them (chapter 10's
-    `score`): bleu, bleu_lc_tok, chrf, signatures. `beam_size` (default 1: greedy
+    `score`): bleu, bleu_lc_tok, chrf, signatures. `beam_size` (default 4; 1: greedy
     search, as `translate`), length penalty `alpha` (default 0.6)."""
     pairs = list(pairs)
     if not pairs:
@@ -539,13 +539,14 @@ def _check_source(src: torch.Tensor, extra_len: int) -> None:
 
 # %% ../../book/d_2_fast.ipynb #ev002
 def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
-                  beam_size: int = 1, alpha: float = 0.6, batch_size: int | None = None
+                  beam_size: int = 4, alpha: float = 0.6, batch_size: int | None = None
                   ) -> Callable[[Transformer, int], dict]:
     """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
     chrf on `pairs`. With several processes (DDP) each translates a share, and every
     process scores them all (appendix F): none waits for another to translate. The
     sources are tokenized and checked once, at the first evaluation, not at every one.
-    `beam_size` (default 1: greedy, as `translate`), length penalty `alpha` (default 0.6);
+    `beam_size` (default 4, as `translate`; the command line's `train` validates with 1,
+    greedy, the cheaper search), length penalty `alpha` (default 0.6);
     `batch_size` sentences decoded together (default: 64 on a CPU, 512 on a GPU, where a
     decoding step of 64 sentences leaves most of the device idle)."""
     pairs = list(pairs)

@@ -256,9 +256,9 @@ def recording_attention(modules: Sequence[torch.nn.Module]):
 
 @torch.no_grad()
 def attention_weights(model: Transformer, tokenizer: Tokenizer, sentence: str,
-                      beam_size: int = 1, alpha: float = 0.6) -> AttentionWeights:
-    """Translate `sentence` (`beam_size` default 1: greedy search; beam search when
-    `beam_size` > 1, length penalty `alpha`, default 0.6), then feed the source and
+                      beam_size: int = 4, alpha: float = 0.6) -> AttentionWeights:
+    """Translate `sentence` (beam search with `beam_size` beams, default 4 as everywhere
+    in the package, 1: greedy search; length penalty `alpha`, default 0.6), then feed the source and
     that translation through the model once, teacher-forced, and keep every
     `MultiHeadAttention`'s weights (`recording_attention`)."""
     if not isinstance(sentence, str) or not sentence.strip():
