@@ -128,3 +128,19 @@ def test_the_module_checks_see_a_planted_appendix_cell_and_a_late_import():
     assert [nb for nb, _ in cells(text)] == ["02_attention", None, "d_performance", "a_data"]
     assert [nb for nb, _ in cells(text) if nb and not is_main_line(nb)] == ["d_performance", "a_data"]
     assert late_imports(text) == [13]          # the import inside f is lazy, and allowed
+
+
+INT_IDIOM = re.compile(r"isinstance\((\w[\w.]*), bool\) or not isinstance\(\1, (?:int|\(int, float\))\)")
+
+
+def test_the_int_idiom_is_written_once():
+    """`is_int` and `is_number` (appendix A's module of checks, `transformer/data.py`) say "an int (or a float)
+    and not a bool" once; no module spells the idiom out again (it stood in 26 places)."""
+    spelled = [f"{p.relative_to(ROOT)}:{i}" for p in sorted((ROOT / "transformer").rglob("*.py"))
+               for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if INT_IDIOM.search(line)]
+    assert not spelled, f"use transformer.data.is_int / is_number: {spelled}"
+    assert INT_IDIOM.search("if isinstance(n, bool) or not isinstance(n, int) or n < 1:")          # the scan sees it
+    assert INT_IDIOM.search("if isinstance(p, bool) or not isinstance(p, (int, float)):")
+    from transformer.data import is_int, is_number
+    assert [is_int(v) for v in (3, True, 3.0, "3")] == [True, False, False, False]
+    assert [is_number(v) for v in (3, 0.5, False, None)] == [True, True, False, False]

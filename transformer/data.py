@@ -49,7 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'is_number', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -509,6 +509,11 @@ def is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def is_number(value) -> bool:
+    "An `int` or a `float` and not a `bool`: every rate, probability or scale a user passes."
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def check_id_batch(batch):
     "A batch of id sequences for `decode_batch`: a list of sequences or a (B, T) tensor."
     if isinstance(batch, torch.Tensor) and batch.dim() != 2:
@@ -610,7 +615,7 @@ def check_config(c, names: dict) -> None:
                          "(the sinusoids come in sin/cos pairs)")
     for name in ("dropout", "attention_dropout", "ffn_dropout"):
         value = getattr(c, name)
-        if (isinstance(value, bool) or not isinstance(value, (int, float))
+        if (not is_number(value)
                 or not 0 <= value < 1):
             raise ValueError(f"{name}={value!r} must be in [0, 1)")
     for name, known in names.items():

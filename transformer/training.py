@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .data import check_train_config, config_from_dict
+from .data import check_train_config, config_from_dict, is_int, is_number
 from .masking import teacher_forcing
 from .model import Transformer
 from .tokens import PAD, Tokenizer, pad_batch, token_batches
@@ -24,7 +24,7 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
                        pad_id: int = PAD) -> tuple[torch.Tensor, torch.Tensor]:
     """Label-smoothed cross-entropy (section 5.4) and plain NLL, each *summed* over the
     non-pad targets: logits (..., V), target (...)."""
-    if isinstance(epsilon, bool) or not isinstance(epsilon, (int, float)) or not 0 <= epsilon < 1:
+    if not is_number(epsilon) or not 0 <= epsilon < 1:
         raise ValueError(f"epsilon={epsilon!r} must be a float in [0, 1)")
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not fit target of shape "
@@ -41,7 +41,7 @@ def label_smoothed_nll(logits: torch.Tensor, target: torch.Tensor, epsilon: floa
 def rate(step: int, d_model: int, warmup: int = 4000, scale: float = 1.0) -> float:
     """Equation (3): linear warm-up for `warmup` steps, then 1/sqrt(step) decay,
     times `scale`."""
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+    if not is_int(step) or step < 1:
         raise ValueError(f"step={step!r} must be an int >= 1 (the first update is step 1)")
     return scale * d_model ** -0.5 * min(step ** -0.5, step * warmup ** -1.5)
 

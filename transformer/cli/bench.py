@@ -26,6 +26,7 @@ from transformer.cli.measure import (
     train_step,
 )
 from .train import cap_kernel_cache, keep_freed_memory
+from ..data import is_int
 from transformer.engine.devices import (
     DEVICES,
     cpu_has_bf16_units,
@@ -170,9 +171,9 @@ class _Bench:
 def _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset) -> None:
     for name, value in (("repeats", repeats), ("n_batches", n_batches),
                         ("decode_sentences", decode_sentences)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+    if not is_int(warmup) or warmup < 0:
         raise ValueError(f"warmup={warmup!r} must be an int >= 0")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; "

@@ -26,7 +26,7 @@ try:
 except ImportError:                 # Windows: directories are not locked there
     fcntl = None
 
-from ..data import DataError, UserError, sha256_file, shard_batches
+from ..data import DataError, UserError, is_int, sha256_file, shard_batches
 from ..tokens import PAD, Tokenizer
 
 CORPUS_FORMAT = 1                 # the layout below; a reader refuses any other
@@ -192,7 +192,7 @@ def run_lock(out_dir: str | os.PathLike):
 
 # %% ../../book/a_1_prepare.ipynb #a1-008
 def _positive(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_int(value) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return value
 

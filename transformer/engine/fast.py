@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from ..attention import scaled_dot_product_attention
 from ..blocks import DecoderLayer, EncoderLayer, residual
+from ..data import is_int
 from transformer.decoding import (
     PrefixDecoder,
     length_penalty,
@@ -222,7 +223,7 @@ class KVCache:
     stored once and then only read."""
 
     def __init__(self, capacity: int | None = None, fixed: bool = False):
-        if not fixed and (isinstance(capacity, bool) or not isinstance(capacity, int)
+        if not fixed and (not is_int(capacity)
                           or capacity < 1):
             raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
                              "sequence to decode)")
@@ -394,7 +395,7 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
     ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
      "B lists of output ids. `beam_size` beams (default 4, the paper's), length "
      "penalty `alpha` (default 0.6).")
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+    if not is_int(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
     if not alpha >= 0:
         raise ValueError(f"alpha={alpha!r} must be >= 0")
@@ -516,7 +517,7 @@ def _source_ids(model: Transformer, tokenizer: Tokenizer, texts: list[str],
     "`translate`'s input checks: source ids `x EOS` of `texts`, cut to the model's max_len."
     if isinstance(texts, str):
         raise TypeError("texts must be a list of sentences; wrap one in a list: [text]")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1")
     if tokenizer.vocab_size != model.config.src_vocab:
         raise ValueError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model expects "
@@ -534,7 +535,7 @@ def _check_source(src: torch.Tensor, extra_len: int) -> None:
     if not isinstance(src, torch.Tensor) or src.dim() != 2 or 0 in src.shape:
         got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
         raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {got}")
-    if isinstance(extra_len, bool) or not isinstance(extra_len, int) or extra_len < 0:
+    if not is_int(extra_len) or extra_len < 0:
         raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
 
 # %% ../../book/d_2_fast.ipynb #ev002

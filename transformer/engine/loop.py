@@ -19,6 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..data import is_number
 from transformer.engine.checkpoints import (  # appendix E
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -600,7 +601,7 @@ class SubwordDropout:
     def __init__(self, tokenizer: Tokenizer, pairs: list[tuple[str, str]], p: float,
                  seed: int = 0, max_len: int | None = None,
                  max_tokens: int | None = None):
-        if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p < 1:
+        if not is_number(p) or not 0 < p < 1:
             raise ValueError(f"p={p!r} must be in (0, 1); without dropout there is one "
                              "segmentation: use make_examples")
         self.fixed = make_examples(tokenizer, pairs, max_len)   # deterministic ids

@@ -17,7 +17,7 @@ from safetensors.torch import safe_open
 from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
-from ..data import UserError, sha256_file
+from ..data import UserError, is_int, sha256_file
 from transformer.engine.checkpoints import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -178,7 +178,7 @@ def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterab
     penalty `alpha` (default 0.6). `decode` translates one batch (chapter 9's
     `translate`, which cuts an over-long source to max_len with a warning); `bar`
     counts sentences."""
-    if isinstance(batch_tokens, bool) or not isinstance(batch_tokens, int) or batch_tokens < 1:
+    if not is_int(batch_tokens) or batch_tokens < 1:
         raise ValueError(f"batch_tokens={batch_tokens!r} must be an int >= 1")
     max_len, it = model.config.max_len, iter(sentences)
     while chunk := _chunk(it):

@@ -23,6 +23,7 @@ except ImportError as e:                       # the package's figures are an ex
     raise ImportError(f"transformer.figures.plots needs matplotlib ({e}): pip install "
                       "'transformer-book[figures]'") from None
 
+from ..data import is_int, is_number
 from ..engine.checkpoints import TrainingError, read_metrics
 from ..engine.fast import beam_search, greedy_search
 from ..model import Transformer
@@ -122,7 +123,7 @@ _NUMBERS = ("step", "loss", "val_loss", "bleu", "seconds", "lr")
 
 
 def _not_number(value) -> bool:
-    return isinstance(value, bool) or not isinstance(value, (int, float))
+    return not is_number(value)
 
 
 def _checked(path: Path, records: list[dict]) -> list[dict]:
@@ -296,7 +297,7 @@ def _pick(what: str, value: int | None, n: int) -> list[int]:
     "A layer or head counted from 1 (None: all of them) -> indices from 0, checked."
     if value is None:
         return list(range(n))
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= n:
+    if not is_int(value) or not 1 <= value <= n:
         raise ValueError(f"{what}={value!r} is out of range: the model has {n} "
                          f"{what}s, numbered 1 to {n}")
     return [value - 1]
@@ -373,7 +374,7 @@ def positional_encoding(max_len: int = 100, d_model: int = 128) -> Figure:
     """The sinusoidal table PE of chapter 5 as a heat map: a row per position, a column
     per dimension (sin on even dimensions, cos on odd ones)."""
     for name, value, even in (("max_len", max_len, False), ("d_model", d_model, True)):
-        if (isinstance(value, bool) or not isinstance(value, int) or value < 1
+        if (not is_int(value) or value < 1
                 or (even and value % 2)):
             raise ValueError(f"{name}={value!r} must be a positive "
                              + ("even int (sin/cos come in pairs)" if even else "int"))

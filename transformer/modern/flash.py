@@ -11,6 +11,8 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..data import is_int
+
 # %% auto #0
 __all__ = ['peak_tensor_bytes', 'tiled_attention']
 
@@ -71,7 +73,7 @@ def _check_tiled_inputs(query: Tensor, key: Tensor, value: Tensor, mask: Tensor 
         raise ValueError("pass either a mask or is_causal=True, not both; "
                          "combine them into one mask")
     for name, b in (("block_q", block_q), ("block_k", block_k)):
-        if isinstance(b, bool) or not isinstance(b, int) or b < 1:
+        if not is_int(b) or b < 1:
             raise ValueError(f"{name}={b!r} must be a positive int (the rows of a tile)")
 
 # %% ../../book/16_flash.ipynb #f015

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from ..attention import scaled_dot_product_attention
+from ..data import is_int
 from ..engine.fast import KVCache
 from ..heads import split_heads
 from .rope import apply_rope, rope_cos_sin
@@ -34,7 +35,7 @@ class GroupedQueryAttention(nn.Module):
                  dropout: float = 0.0):
         super().__init__()
         for name, value in (("d_model", d_model), ("h", h), ("g", g)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if h % g:
             divisors = [k for k in range(1, h + 1) if h % k == 0]

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from ..data import is_int
 from .gqa import GroupedQueryAttention, KVCache
 from .rmsnorm_swiglu import RMSNorm, SwiGLU, swiglu_d_ff
 
@@ -51,7 +52,7 @@ class LlamaConfig:
         self.d_ff = swiglu_d_ff(self.d_model) if self.d_ff is None else self.d_ff
         for f in ("vocab_size", "d_model", "n_layers", "h", "g", "d_ff", "max_len"):
             value = getattr(self, f)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{f}={value!r} must be a positive int")
         if self.h % self.g:
             raise ValueError(f"h={self.h} query heads cannot be split into g={self.g} "
@@ -210,7 +211,7 @@ def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int,
     """Greedy decoding with the cache: the prompt (B, T0) in one forward pass, then one
     token per step. Returns (B, T0 + n) with n <= max_new_tokens; a row that has produced
     `eos_id` is padded with it, and decoding stops when every row has."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) \
+    if not is_int(max_new_tokens) \
             or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     caches = model.new_caches(prompt.size(1) + max_new_tokens)

@@ -7,6 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from ..blocks import FeedForward
+from ..data import is_int
 
 # %% auto #0
 __all__ = ['load_balancing_loss', 'MoEFeedForward']
@@ -42,7 +43,7 @@ def load_balancing_loss(router_probs: Tensor, expert_index: Tensor) -> Tensor:
 
 # %% ../../book/18_moe.ipynb #m007
 def _check_count(name: str, value, low: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+    if not is_int(value) or value < low:
         raise ValueError(f"{name}={value!r} must be an int >= {low}")
 
 # %% ../../book/18_moe.ipynb #m008

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..data import is_int, is_number
+
 # %% auto #0
 __all__ = ['RMSNorm', 'swiglu_d_ff', 'SwiGLU']
 
@@ -19,9 +21,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, d_model: int, eps: float = 1e-6):
         super().__init__()
-        if isinstance(d_model, bool) or not isinstance(d_model, int) or d_model < 1:
+        if not is_int(d_model) or d_model < 1:
             raise ValueError(f"d_model={d_model!r} must be a positive int")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0:
+        if not is_number(eps) or not eps > 0:
             raise ValueError(f"eps={eps!r} must be a number > 0 (Llama uses 1e-6 or 1e-5)")
         self.d_model, self.eps = d_model, float(eps)
         self.weight = nn.Parameter(torch.ones(d_model))              # the gain gamma
@@ -44,7 +46,7 @@ def swiglu_d_ff(d_model: int, multiple_of: int = 256) -> int:
     2/3 * 4 * d_model, rounded up to a multiple of `multiple_of` (Llama's rule;
     4096 -> 11008)."""
     for name, value in (("d_model", d_model), ("multiple_of", multiple_of)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not is_int(value) or value < 1:
             raise ValueError(f"{name}={value!r} must be a positive int")
     d_ff = int(2 * 4 * d_model / 3)
     return multiple_of * -(-d_ff // multiple_of)                # round up
@@ -59,7 +61,7 @@ class SwiGLU(nn.Module):
     def __init__(self, d_model: int, d_ff: int, bias: bool = False, dropout: float = 0.0):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ff", d_ff)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout} must be in [0, 1)")

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from ..data import is_int, is_number
+
 # %% auto #0
 __all__ = ['rope_frequencies', 'rope_cos_sin', 'apply_rope']
 
 # %% ../../book/14_rope.ipynb #r008
 def _positive_int(value, name: str, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an int >= {minimum}")
 
 
@@ -21,7 +23,7 @@ def rope_frequencies(d_k: int, base: float = 10000.0) -> torch.Tensor:
     if d_k % 2:
         raise ValueError(f"d_k={d_k} must be even: RoPE turns pairs of dimensions "
                          "(2i, 2i+1)")
-    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+    if not is_number(base) or not base > 1:
         raise ValueError(f"base={base!r} must be a number > 1 (the paper's is 10000)")
     two_i = torch.arange(0, d_k, 2, dtype=torch.float64)       # 0, 2, 4, ...
     return float(base) ** (-two_i / d_k)                        # (d_k/2,)
