@@ -137,7 +137,7 @@ def shipped():
 def test_attention_weights_of_the_shipped_model(shipped):
     model, tokenizer, att = shipped
     N, h = model.config.n_layers, model.config.h
-    assert att.translation == translate(model, tokenizer, [SENTENCE])[0]   # greedy, as translate
+    assert att.translation == translate(model, tokenizer, [SENTENCE])[0]   # beam 4, as translate
     assert att.source == tokenizer.pieces(SENTENCE) + ["</s>"]
     assert att.read == ["<s>"] + att.written[:-1] and att.written[-1] == "</s>"
     S, T = len(att.source), len(att.written)

@@ -225,4 +225,4 @@ def test_float32_graphs_translate_test_sentences_as_pytorch_does(shipped, tmp_pa
     web.export_web(MODEL, tmp_path, precision="float32")
     sources = [s for s, _ in load_multi30k("de", "en", "test_2016_flickr")][::25]   # 40 sentences
     assert web.WebModel(tmp_path).translate(shipped.tokenizer, sources) == \
-        translate(shipped.model.float().eval(), shipped.tokenizer, sources)
+        translate(shipped.model.float().eval(), shipped.tokenizer, sources, beam_size=1)
