@@ -615,8 +615,7 @@ def check_config(c, names: dict) -> None:
                          "(the sinusoids come in sin/cos pairs)")
     for name in ("dropout", "attention_dropout", "ffn_dropout"):
         value = getattr(c, name)
-        if (not is_number(value)
-                or not 0 <= value < 1):
+        if not is_number(value) or not 0 <= value < 1:
             raise ValueError(f"{name}={value!r} must be in [0, 1)")
     for name, known in names.items():
         if not isinstance(getattr(c, name), str) or getattr(c, name) not in known:

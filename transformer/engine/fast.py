@@ -223,8 +223,7 @@ class KVCache:
     stored once and then only read."""
 
     def __init__(self, capacity: int | None = None, fixed: bool = False):
-        if not fixed and (not is_int(capacity)
-                          or capacity < 1):
+        if not fixed and (not is_int(capacity) or capacity < 1):
             raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
                              "sequence to decode)")
         self.capacity, self.fixed, self.length = capacity, fixed, 0

@@ -211,8 +211,7 @@ def generate(model: Llama, prompt: torch.Tensor, max_new_tokens: int,
     """Greedy decoding with the cache: the prompt (B, T0) in one forward pass, then one
     token per step. Returns (B, T0 + n) with n <= max_new_tokens; a row that has produced
     `eos_id` is padded with it, and decoding stops when every row has."""
-    if not is_int(max_new_tokens) \
-            or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens!r} must be a positive int")
     caches = model.new_caches(prompt.size(1) + max_new_tokens)
     logits = model(prompt, caches)[:, -1]                             # (B, vocab)
