@@ -113,7 +113,8 @@ class Float32Attention(MultiHeadAttention):
     of queries that see no key (`blind_rows=False`): a training batch has none. Every source
     holds its EOS and every target its BOS (chapter 8's `make_examples`, appendix A.1's
     `prepare` and E.2's `SubwordDropout` write `(x EOS, BOS y EOS)`; the tokenizer never
-    writes PAD), the encoder and the cross-attention are masked by the source's padding
+    writes PAD; E.2's `check_examples` refuses any other example with a side of padding
+    only), the encoder and the cross-attention are masked by the source's padding
     only, and the decoder gets the causal flag (chapter 19.1's packed sequences: causal and
     padding, position 0 a real token). `speed_up` swaps it in."""
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
