@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -24,6 +25,33 @@ def pytest_configure(config):
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+    _warm_kernels(config)
+
+
+def _warm_kernels(config) -> None:
+    """nbval's kernels forked from a zygote that has imported torch (tests/warm_kernel.py): the same
+    kernel process a cold start gives, about 3 s of CPU sooner, 40 times a run. Linux only; the
+    environment variable TRANSFORMER_COLD_KERNELS=1 turns it off. The zygote starts with the first
+    notebook of this process and stops with it."""
+    if sys.platform != "linux" or os.environ.get("TRANSFORMER_COLD_KERNELS") \
+            or not (config.option.nbval or config.option.nbval_lax):
+        return
+    import atexit
+
+    import ipykernel.kernelspec
+    from nbval import kernel as nbval_kernel
+    from warm_kernel import Zygote
+    zygote = []
+    original = nbval_kernel.NbvalKernelspecManager.get_kernel_spec
+
+    def get_kernel_spec(self, kernel_name):
+        if kernel_name != nbval_kernel.CURRENT_ENV_KERNEL_NAME:
+            return original(self, kernel_name)
+        if not zygote:
+            zygote.append(Zygote())
+            atexit.register(zygote[0].close)
+        return self.kernel_spec_class(resource_dir=ipykernel.kernelspec.RESOURCES, **zygote[0].kernel_spec())
+    nbval_kernel.NbvalKernelspecManager.get_kernel_spec = get_kernel_spec
 
 
 @pytest.fixture
