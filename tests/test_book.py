@@ -148,8 +148,9 @@ def chromes(browser, tmp_path_factory):
 
 def _render_logged(chrome, page: Path, timeout: float = 30) -> tuple[str, list[str]]:
     """The page's DOM once it settled (SETTLED, or `timeout` seconds: the asserts then say what did not
-    happen), and the messages its JavaScript logged or the browser logged for it."""
-    chrome.open("about:blank")
+    happen), and the messages its JavaScript logged or the browser logged for it: every message from the
+    navigation on (no detour through about:blank, which cost a navigation per page and dropped what the
+    previous page still logged; here such a message would count against this page, never be lost)."""
     mark = len(chrome.events)
     chrome.open(page.as_uri())
     try:
@@ -345,6 +346,112 @@ def test_the_vega_bundle_follows_charts_not_the_source_that_shows_them(tmp_path)
     shown = (out / "source.html").read_text()
     assert 'class="book-chart"' in shown and not bundle.search(shown)   # the template, as it is...
     assert bundle.search((out / "chart.html").read_text())             # ...the bundle with a chart
+
+
+def _sphinx(src: Path, out: Path, strict: bool = True) -> tuple[bool, str]:
+    """An HTML build of `src` in this process, as `sphinx-build -E -q [-W]` would make it (a second of
+    CPU less than a subprocess): whether it succeeded, and what it warned."""
+    import io
+
+    from sphinx.application import Sphinx
+    from sphinx.errors import SphinxError
+    from sphinx.util.docutils import docutils_namespace, patch_docutils
+
+    warnings = io.StringIO()
+    try:
+        with patch_docutils(str(src)), docutils_namespace():
+            app = Sphinx(str(src), str(src), str(out), str(out / ".doctrees"), "html", status=None,
+                         warning=warnings, freshenv=True, warningiserror=strict)
+            app.build()
+    except SphinxError as e:
+        return False, f"{warnings.getvalue()}{e}"
+    return app.statuscode == 0, warnings.getvalue()
+
+
+def _site(out: Path) -> dict[str, bytes]:
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file() and ".doctrees" not in p.parts}
+
+
+@pytest.mark.slow
+def test_the_lean_build_writes_the_same_site(tmp_path, monkeypatch):
+    """book/_ext/lean_build.py (issue 40) changes no byte of the site: a small project whose table of
+    contents has what Sphinx's `titles_only` treats specially (sections, a toctree inside a section, a
+    hidden one, a page with `:tocdepth:`, an `only` directive, a caption, math in a title), built with
+    and without it, asking for the global toctree with titles only (collapsed and not, with a maxdepth)
+    and without; the reduction ran where it may and left alone the pages it must."""
+    import pickle
+
+    monkeypatch.syspath_prepend(str(ROOT / "book" / "_ext"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    src = tmp_path / "src"
+    (src / "_templates").mkdir(parents=True)
+    (src / "_templates" / "layout.html").write_text(
+        '{% extends "!layout.html" %}{% block footer %}'
+        "<nav>{{ toctree(titles_only=True, includehidden=True, collapse=False) }}</nav>"
+        "<nav>{{ toctree(titles_only=True, collapse=True, maxdepth=2) }}</nav>"
+        "<nav>{{ toctree(includehidden=True, collapse=False) }}</nav>{{ super() }}{% endblock %}")
+    (src / "index.rst").write_text("Book\n====\n\n.. toctree::\n   :caption: Part one\n\n   a\n   b\n\n"
+                                   ".. toctree::\n   :hidden:\n\n   c\n")
+    (src / "a.rst").write_text("A :math:`\\sqrt{d_k}`\n====================\n\nOne\n---\n\nText.\n\nDeep\n~~~~\n\n"
+                               ".. toctree::\n\n   a1\n\nTwo\n---\n\nText.\n")
+    (src / "a1.rst").write_text("A.1\n===\n\nInside\n------\n\nText.\n")
+    (src / "b.rst").write_text(":tocdepth: 1\n\nB\n=\n\nOne\n---\n\n.. toctree::\n\n   b1\n")
+    (src / "b1.rst").write_text("B.1\n===\n\nText.\n")
+    (src / "c.rst").write_text("C\n=\n\nOne\n---\n\n.. only:: latex\n\n   .. toctree::\n\n      c1\n\n"
+                               "Two\n---\n\nText.\n")
+    (src / "c1.rst").write_text("C.1\n===\n\nText.\n")
+    sites = {}
+    for lean in (False, True):
+        (src / "conf.py").write_text(f"extensions = {['lean_build'] if lean else []!r}\ntemplates_path = ['_templates']\n")
+        ok, warnings = _sphinx(src, tmp_path / f"html-{lean}")
+        assert ok, warnings[-3000:]
+        sites[lean] = _site(tmp_path / f"html-{lean}")
+    assert sites[True] == sites[False], [p for p in sites[False] if sites[True].get(p) != sites[False][p]]
+    titles_only = sites[True]["b.html"].split(b"<nav>")[1]          # the first: titles only, not collapsed
+    assert b'href="a1.html">A.1</a>' in titles_only and b"#one" not in titles_only and b"c1.html" not in titles_only
+
+    import lean_build
+    env = pickle.loads((tmp_path / "html-True" / ".doctrees" / "environment.pickle").read_bytes())
+    tocs = lean_build.titles_only_tocs(env)
+    size = lambda toc: sum(1 for _ in toc.findall())  # noqa: E731
+    assert size(tocs["a"]) < size(env.tocs["a"]) and size(tocs["a1"]) < size(env.tocs["a1"])   # reduced...
+    assert tocs["b"] is env.tocs["b"] and tocs["c"] is env.tocs["c"]                           # ...where it may
+
+
+@pytest.mark.slow
+def test_highlighting_is_kept_across_builds_but_never_a_warning(tmp_path, monkeypatch):
+    """book/_ext/lean_build.py keeps each code block's highlighted HTML in the user's cache: a second build
+    writes the same site from it, a changed block is highlighted afresh, and a block whose highlighting
+    warned is not kept, so that `-W` fails on it in every build, the first or the next."""
+    monkeypatch.syspath_prepend(str(ROOT / "book" / "_ext"))
+    src, cache = tmp_path / "src", tmp_path / "cache"
+    src.mkdir()
+    (src / "conf.py").write_text("extensions = ['lean_build']\n")
+    good = ("Code\n====\n\n.. code-block:: python\n\n   def f(x):\n       return x  # one\n\n"
+            ".. code-block:: ipython3\n\n   %time f(1)\n")
+    bad = "\n.. code-block:: json\n\n   {not json at all\n"
+
+    def build(name, text, strict=True, where=cache):
+        (src / "index.rst").write_text(text)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(where))
+        ok, warnings = _sphinx(src, tmp_path / name, strict)
+        return ok, warnings, _site(tmp_path / name)
+
+    cold = build("cold", good, where=tmp_path / "elsewhere")
+    assert cold[0], cold[1][-2000:]
+    lenient = build("lenient", good + bad, strict=False)           # warns (no -W): the good blocks are kept
+    assert lenient[0] and "Lexing literal_block" in lenient[1], lenient[1][-2000:]
+    [kept] = (cache / "transformer-book").glob("highlight-*.json")
+    assert len(json.loads(kept.read_text())) == 2                   # the two good blocks, not the bad one
+    strict = build("strict", good + bad)                           # the bad one warns again: an error
+    assert not strict[0] and "Lexing literal_block" in strict[1], strict[1][-2000:]
+    warm = build("warm", good)
+    assert warm[0] and warm[2] == cold[2]                           # the same site from the cache
+    kept.write_text(json.dumps({k: "<pre>from the cache</pre>" for k in json.loads(kept.read_text())}))
+    served = build("served", good)[2]["index.html"]                 # it did come from the cache...
+    assert served.count(b"from the cache") == 2
+    changed = build("changed", good.replace("# one", "# two"))[2]["index.html"]
+    assert changed.count(b"from the cache") == 1 and b"two" in changed   # ...but not for a changed block
 
 
 BLANKET = re.compile(r"""(simplefilter|filterwarnings)\(\s*["']ignore["']\s*\)""")
