@@ -20,12 +20,15 @@ BOOK = Path(__file__).resolve().parents[1] / "book"
 # what a kernel reports of itself: everything a notebook could see of how its process started
 PROBE = """
 import json, os, random, signal, sys
-import torch
+first = sorted(m for m in ("pandas", "altair", "matplotlib", "tqdm.autonotebook") if m in sys.modules)
+import pandas as pd, torch
 from ipykernel.kernelapp import IPKernelApp
 print(json.dumps({"argv": sys.argv, "path": sys.path, "cwd": os.getcwd(), "env": dict(os.environ),
                   "poller": type(IPKernelApp.instance().poller).__name__,
                   "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
-                  "torch_seed": torch.initial_seed(), "random": random.random(), "pid": os.getpid()}))
+                  "torch_seed": torch.initial_seed(), "random": random.random(), "pid": os.getpid(),
+                  "preloaded": first,
+                  "wide": repr(pd.DataFrame([[0.5] * 12], columns=[f"column {i}" for i in range(12)]))}))
 """
 
 
@@ -79,9 +82,10 @@ def test_a_warm_kernel_is_the_process_a_cold_one_is(zygote):
     assert warm["torch_preloaded"] and not cold["torch_preloaded"]          # the point of it
     assert Path(warm["argv"][0]).name == Path(cold["argv"][0]).name == "ipykernel_launcher.py"
     assert warm["argv"][1] == cold["argv"][1] == "-f"
-    for key in ("path", "cwd", "poller", "sigint"):
+    for key in ("wide", "path", "cwd", "poller", "sigint", "preloaded"):
         assert warm[key] == cold[key], key
     assert warm["poller"] == "ParentPollerUnix" and warm["cwd"] == str(BOOK)
+    assert warm["preloaded"] == [] and "..." not in warm["wide"]   # a kernel's pandas: not a terminal's
     differ = {k for k in {*warm["env"], *cold["env"]} if warm["env"].get(k) != cold["env"].get(k)}
     assert differ <= {"JPY_PARENT_PID"} and SOCKET_ENV not in warm["env"], differ
     for key in ("random", "torch_seed"):              # fresh entropy, as each new process draws

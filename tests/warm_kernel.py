@@ -28,8 +28,10 @@ import struct
 import sys
 
 SOCKET_ENV = "TRANSFORMER_WARM_KERNEL"        # the zygote's socket, for `launch`
-# not ipykernel.kernelapp: its class reads JPY_PARENT_PID (set for each kernel) when it is imported
-PRELOAD = ("numpy", "torch", "pandas", "altair", "ipykernel.ipkernel")
+# Only modules whose import does not depend on the process it runs in: not ipykernel.kernelapp (its
+# class reads JPY_PARENT_PID, set for each kernel), not pandas (it sizes its display options by
+# whether it is imported in a terminal or a kernel: a zygote's DataFrames would print truncated)
+PRELOAD = ("numpy", "torch", "ipykernel.ipkernel")
 # what those imports read from the environment once: a kernel asked for with other values of these
 # starts cold (exec'd), so that it is exactly the process nbval would have started
 READ_AT_IMPORT = ("OMP_", "MKL_", "OPENBLAS_", "KMP_", "GOMP_", "PYTHON", "LD_", "TORCH", "PYTORCH",
