@@ -130,3 +130,26 @@ def test_a_killed_launcher_takes_its_kernel_with_it(zygote):
     else:
         pytest.fail(f"kernel {pid} outlived its killed launcher")
     km.cleanup_resources()
+
+
+def test_the_zygote_goes_when_the_process_that_started_it_dies():
+    "A pytest worker killed outright leaves no zygote behind (nor its kernels: the zygote kills them)."
+    import subprocess
+    starter = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, sys.argv[1]); "
+                                "from warm_kernel import Zygote; z = Zygote(); print(z.process.pid, flush=True); "
+                                "time.sleep(600)", str(Path(__file__).parent)], stdout=subprocess.PIPE, text=True)
+    zygote = int(starter.stdout.readline())
+    starter.kill()
+    starter.wait()
+    deadline = time.monotonic() + 10
+    while _running(zygote):
+        assert time.monotonic() < deadline, f"zygote {zygote} outlived the process that started it"
+        time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    "Alive and not a zombie (an orphan's zombie waits for init to reap it)."
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -17,7 +17,8 @@ test `tests/test_warm_kernel.py` compares a warm kernel with a cold one on all o
 `launch` stands in for the kernel process that Jupyter manages: it hands its stdin, stdout and
 stderr to the zygote, which forks the kernel onto them; it forwards SIGINT (Jupyter's interrupt)
 and SIGTERM to the kernel and exits with the kernel's status. When `launch` is killed, the zygote
-kills its kernel; when the zygote exits, it kills every kernel it forked. Linux only.
+kills its kernel; when the zygote exits, it kills every kernel it forked, and it exits when the
+process that started it dies. Linux only.
 """
 import json
 import os
@@ -105,8 +106,11 @@ def serve(path: str) -> None:
                 pass
         os._exit(0)
     signal.signal(signal.SIGTERM, stop)
+    parent = os.getppid()
     print("ready", flush=True)
     while True:
+        if os.getppid() != parent:                # the pytest worker died without closing us
+            stop()
         for key, _ in sel.select(timeout=0.2):
             if key.fileobj is listener:
                 conn, _ = listener.accept()
