@@ -92,8 +92,10 @@ FIXTURE_MARKS = {
 # fixtures are built once). FIRST: the longest start first, so that no long one is left for the
 # end; LAST: what reads a build another file makes once per run (`once_per_run`) goes last, when
 # that build is likely done, so that its worker does not wait for it.
-FIRST = ["test_book", "10_1_multi30k", "i_web", "test_cli", "test_training", "e_2_loop", "test_web_tokenizer",
-         "09_decoding", "test_cli_hostile", "08_training", "test_gpt", "test_sweep", "03_scaling", "f_devices"]
+# (FIRST: longest first, by `pytest --durations=0` summed per file on a 2-core AMD EPYC)
+FIRST = ["test_book", "10_1_multi30k", "test_training", "test_cli", "i_web", "test_sweep", "d_2_fast", "e_2_loop",
+         "03_scaling", "09_decoding", "test_plots", "a_data", "d_performance", "test_cli_hostile", "08_training",
+         "f_devices", "19_decoder_only", "test_warm_kernel", "test_web_tokenizer", "test_gpt"]
 LAST = ["test_api_page"]
 
 
