@@ -74,8 +74,8 @@ def _become_kernel(request: dict, fds: list[int], started: dict) -> None:
     if any(env.get(k) != started.get(k) for k in {*env, *started} if k.startswith(READ_AT_IMPORT)):
         os.execve(sys.executable, [sys.executable, "-m", "ipykernel_launcher", *request["argv"][1:]], env)
     os.environ.clear()
-    os.environ.update(request["env"])
-    sys.argv = [request["argv"][0], *request["argv"][1:]]
+    os.environ.update(env)
+    sys.argv = list(request["argv"])
     sys.path[0] = os.getcwd()                     # what `python -m` puts first
     random.seed()                                 # fresh entropy, as a new process draws
     if "numpy" in sys.modules:
@@ -210,12 +210,7 @@ def launch(argv: list[str]) -> int:
             pass
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, forward)
-    while True:
-        try:
-            reply = _recv(conn)
-            break
-        except InterruptedError:
-            continue
+    reply = _recv(conn)                           # a forwarded signal does not interrupt it (PEP 475)
     return 1 if reply is None else reply["status"]
 
 
