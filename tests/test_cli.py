@@ -584,7 +584,7 @@ def test_python_dash_m_runs_main(monkeypatch, capsys):
 def test_keep_freed_memory_applies_on_glibc():
     import platform
 
-    from transformer.cli.train import keep_freed_memory
+    from transformer.cli.commands import keep_freed_memory
     assert keep_freed_memory() is (platform.system() == "Linux" and platform.libc_ver()[0] == "glibc")
 
 
@@ -593,7 +593,7 @@ def test_keep_freed_memory_applies_on_glibc():
 _CACHE_PROBE = """
 import os, sys, torch
 import transformer.__main__, transformer.cli.commands, transformer.cli.train, transformer.cli.sweep  # noqa: F401
-from transformer.cli.train import cap_kernel_cache
+from transformer.cli.commands import cap_kernel_cache
 print("set" if cap_kernel_cache(int(sys.argv[1])) else "kept", flush=True)
 for n in (8, 16, 8):
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -624,7 +624,7 @@ def test_cap_kernel_cache_takes_effect_after_importing_the_package_and_yields_to
 
 def test_cap_kernel_cache_yields_to_the_older_name_of_the_variable(monkeypatch):
     "The older name of the variable counts as the user's choice too (read from os.environ: no fresh process needed)."
-    from transformer.cli.train import cap_kernel_cache
+    from transformer.cli.commands import cap_kernel_cache
     monkeypatch.delenv("ONEDNN_PRIMITIVE_CACHE_CAPACITY", raising=False)
     monkeypatch.setenv("DNNL_PRIMITIVE_CACHE_CAPACITY", "1024")
     assert cap_kernel_cache(1) is False

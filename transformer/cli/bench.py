@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .commands import write_json
+from .commands import cap_kernel_cache, keep_freed_memory
 from transformer.cli.measure import (
     DEFAULT_MAX_TOKENS,
     TorchTransformer,
@@ -25,8 +25,8 @@ from transformer.cli.measure import (
     train_flops,
     train_step,
 )
-from .train import cap_kernel_cache, keep_freed_memory
 from ..data import is_int
+from ..engine.checkpoints import write_json
 from transformer.engine.devices import (
     DEVICES,
     cpu_has_bf16_units,

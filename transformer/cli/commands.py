@@ -4,19 +4,25 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import platform
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 import traceback
 import warnings
 from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
 from typing import get_args, get_type_hints
 
 import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
-from ..engine.checkpoints import write_json  # noqa: F401 (the commands import it from here)
 from ..engine.devices import DEVICES
 from ..engine.trained import BATCH_TOKENS
 from ..model import POSITIONS, PRESETS, TransformerConfig
@@ -24,8 +30,9 @@ from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
-           'CLIError', 'as_typed', 'build_parser', 'describe_device', 'load_pairs', 'Terminated', 'report',
-           'run_command']
+           'RUN_FILES', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'CLIError', 'as_typed', 'build_parser',
+           'describe_device', 'load_pairs', 'Terminated', 'sigterm_as_interrupt', 'run_files', 'keep_freed_memory',
+           'cap_kernel_cache', 'provenance', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -106,17 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
     # have parsers of their own, in modules this one may not import; `python -m
     # transformer` hands them over before this parser runs. Listed here so that --help
     # names every command.
-    sub.add_parser("bench",
-                       help="time a training step and greedy decoding against "
-                            "torch.nn.Transformer (appendix D; python -m "
-                            "transformer bench --help)", add_help=False)
-    sub.add_parser("sweep",
-                       help="train a committed list of variants, resumably (appendix "
-                            "C.3; python -m transformer sweep --help)", add_help=False)
-    sub.add_parser("prepare",
-                       help="tokenize a parallel corpus once into shards that train "
-                            "--data streams (appendix A.1; python -m transformer "
-                            "prepare --help)", add_help=False)
+    for name, help_ in (
+            ("bench", "time a training step and greedy decoding against "
+                      "torch.nn.Transformer (appendix D"),
+            ("sweep", "train a committed list of variants, resumably (appendix C.3"),
+            ("prepare", "tokenize a parallel corpus once into shards that train --data "
+                        "streams (appendix A.1")):
+        sub.add_parser(name, help=f"{help_}; python -m transformer {name} --help)",
+                       add_help=False)
     # named from the commands added above, so that --help and the error of a missing
     # command list every one of them
     sub.metavar = "{" + ",".join(sub.choices) + "}"
@@ -338,11 +342,6 @@ def _export_parser(sub) -> None:
 
 
 
-def _not_here(command: str) -> int:
-    raise CLIError(f"{command} runs through the package entry point: python -m "
-                   f"transformer {command} --help")
-
-
 def _add_figure_commands(sub) -> None:
     "The parsers of `plot` and `attend` (build_parser calls this)."
     p = sub.add_parser("plot", help="draw the learning curves of runs as an image",
@@ -417,6 +416,95 @@ def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
 class Terminated(KeyboardInterrupt):
     "SIGTERM arrived outside the training loop (which saves and stops instead)."
 
+
+def _terminate(signum, frame):
+    raise Terminated()
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    ("Inside the block SIGTERM raises `Terminated`, as Ctrl-C raises `KeyboardInterrupt`; "
+     "only the main thread may set a signal handler, elsewhere it does nothing.")
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt",
+             "metrics.jsonl", "results.json")
+
+
+def run_files(run_dir: Path) -> list[Path]:
+    "The files of a run that `run_dir` holds (a fresh `train` refuses them; a stub is cleared)."
+    return ([p for p in (run_dir / name for name in RUN_FILES) if p.exists()]
+            + sorted(run_dir.glob("step-*.pt")))
+
+
+M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return
+    freed memory to the operating system, so that the tensors of one training step reuse
+    the pages of the last one. Process-wide; returns False where it does not apply (not
+    glibc)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return (bool(libc.mallopt(M_MMAP_MAX, 0))
+                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
+    except (OSError, AttributeError):
+        return False
+
+
+ONEDNN_CACHE = 256  # compiled oneDNN kernels a CPU training keeps (oneDNN's default: 1024)
+_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
+
+
+def cap_kernel_cache(capacity: int = ONEDNN_CACHE) -> bool:
+    """Let oneDNN keep at most `capacity` compiled kernels instead of 1,024, through the
+    environment variable it reads once, at its first kernel: call it before the process
+    multiplies anything. A value the user set wins. Returns whether it set one."""
+    if any(name in os.environ for name in _CACHE_VARS):
+        return False
+    os.environ[_CACHE_VARS[0]] = str(capacity)
+    return True
+
+
+def provenance() -> dict:
+    ("Where a result comes from: the git commit of the code (call it when the run "
+     "starts), the machine, the software.")
+    here = Path(__file__).resolve().parent        # the package's files, in its repository
+
+    def git(*args) -> str | None:
+        try:
+            done = subprocess.run(["git", *args], cwd=here, capture_output=True,
+                                  text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip()
+                   for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    commit = git("rev-parse", "HEAD")
+    return {"git_commit": commit,
+            "git_dirty": None if commit is None else git("status", "--porcelain",
+                                                         "--untracked-files=no") != "",
+            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
+            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+            "python": platform.python_version(), "torch": torch.__version__,
+            "platform": platform.platform(),
+            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
 # %% ../../book/c_commands.ipynb #c013
 def _one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
@@ -472,7 +560,8 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
         args = build_parser().parse_args(argv)
         args.argv = argv
         if args.command not in commands:   # bench, sweep, prepare: main hands them over
-            _not_here(args.command)
+            raise CLIError(f"{args.command} runs through the package entry point: python -m "
+                           f"transformer {args.command} --help")
         return commands[args.command](args)
     except SystemExit as e:  # --help
         return e.code if isinstance(e.code, int) else 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .train import provenance
+from .commands import provenance
 from ..data import load_multi30k
 from ..engine.fast import Dropout, FastSeq2SeqLoss
 from ..model import Transformer, TransformerConfig

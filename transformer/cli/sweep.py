@@ -14,9 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from .commands import write_json
-from .train import RUN_FILES
-from ..engine.checkpoints import RunDirectoryError, run_lock
+from .commands import run_files, sigterm_as_interrupt
+from ..engine.checkpoints import RunDirectoryError, run_lock, write_json
 from ..engine.trained import SweepError, Variant, read_variants, run_state
 
 # %% auto #0
@@ -36,12 +35,6 @@ def command_line(variant: Variant, base: list[str], run_dir: Path,
         cmd += [*variant.args, "--json", *extra]
     return cmd
 
-
-def _clear_stub(run_dir: Path) -> None:
-    "A run killed before its first checkpoint left files a fresh run refuses: drop them."
-    for path in [*(run_dir / n for n in RUN_FILES), *run_dir.glob("step-*.pt")]:
-        path.unlink(missing_ok=True)
-
 # %% ../../book/c_3_sweep.ipynb #s008
 class _Job:
     """One variant running in a child process, its output appended to `<run>/log.txt`.
@@ -52,8 +45,9 @@ class _Job:
     def __init__(self, variant: Variant, base: list[str], out: Path, extra: list[str]):
         self.variant, self.dir = variant, out / variant.name
         with run_lock(self.dir):
-            if run_state(self.dir) == "new":
-                _clear_stub(self.dir)
+            if run_state(self.dir) == "new":   # killed before its first checkpoint
+                for path in run_files(self.dir):  # files a fresh run refuses
+                    path.unlink(missing_ok=True)
         self.cmd = command_line(variant, base, self.dir, extra)
         self.log = open(self.dir / "log.txt", "a")
         self.log.write(f"$ {shlex.join(self.cmd)}\n")
@@ -280,14 +274,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{run_state(out / v.name):11} {v.name:18} "
                   f"{shlex.join(command_line(v, base, out / v.name, extra)[1:])}")
         return 0
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        status = run_sweep(variants, base, out, args.jobs, extra, args.retry_failed)
+        with sigterm_as_interrupt():
+            status = run_sweep(variants, base, out, args.jobs, extra, args.retry_failed)
     except KeyboardInterrupt:
         print("sweep stopped; run the same command again to resume", file=sys.stderr)
         return 130
-    finally:
-        signal.signal(signal.SIGTERM, previous)
     failed = [v.name for v in variants if status[v.name] == "failed"]  # in file order
     busy = [v.name for v in variants if status[v.name] == "busy"]
     if args.results:
@@ -302,7 +294,3 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(busy)}; left alone (run the same command when they end)",
               file=sys.stderr)
     return 1 if failed or busy else 0
-
-
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt

@@ -4,17 +4,12 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
-import os
-import platform
 import re
 import shlex
 import shutil
 import signal
-import subprocess
 import sys
-import threading
 import time
 import warnings
 from dataclasses import asdict
@@ -30,12 +25,16 @@ from transformer.cli.commands import (
     CLIError,
     Terminated,
     as_typed,
+    cap_kernel_cache,
     describe_device,
+    keep_freed_memory,
     load_pairs,
-    write_json,
+    provenance,
+    run_files,
+    sigterm_as_interrupt,
 )
 from ..data import sha256_file
-from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock
+from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock, write_json
 from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
 from ..engine.devices import init_distributed, pick_device
 from ..engine.fast import bleu_callback
@@ -46,73 +45,9 @@ from ..tokens import Tokenizer
 from ..training import TrainConfig, make_examples
 
 # %% auto #0
-__all__ = ['M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'RUN_FILES', 'keep_freed_memory', 'cap_kernel_cache', 'provenance',
-           'prepared_corpus', 'cmd_train']
+__all__ = ['prepared_corpus', 'cmd_train']
 
 # %% ../../book/c_1_train.ipynb #c009
-M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.h)
-
-
-def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return
-    freed memory to the operating system, so that the tensors of one training step reuse
-    the pages of the last one. Process-wide; returns False where it does not apply (not
-    glibc)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_MAX, 0))
-                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
-    except (OSError, AttributeError):
-        return False
-
-
-ONEDNN_CACHE = 256  # compiled oneDNN kernels a CPU training keeps (oneDNN's default: 1024)
-_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "DNNL_PRIMITIVE_CACHE_CAPACITY")
-
-
-def cap_kernel_cache(capacity: int = ONEDNN_CACHE) -> bool:
-    """Let oneDNN (PyTorch's CPU matmul library) keep at most `capacity` compiled kernels,
-    one per matmul shape, instead of 1,024: batches of new shapes otherwise fill the cache
-    with kernels that are never used again, gigabytes of them. Works through the
-    environment variable oneDNN reads once, at its first kernel, so call it before the
-    process multiplies anything; a value the user set wins. Returns whether it set one."""
-    if any(name in os.environ for name in _CACHE_VARS):
-        return False
-    os.environ[_CACHE_VARS[0]] = str(capacity)
-    return True
-
-
-def provenance() -> dict:
-    ("Where a result comes from: the git commit of the code (call it when the run "
-     "starts), the machine, the software.")
-    here = Path(__file__).resolve().parent        # the package's files, in its repository
-
-    def git(*args) -> str | None:
-        try:
-            done = subprocess.run(["git", *args], cwd=here, capture_output=True,
-                                  text=True, timeout=10)
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip()
-                   for line in Path("/proc/cpuinfo").read_text().splitlines()
-                   if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    commit = git("rev-parse", "HEAD")
-    return {"git_commit": commit,
-            "git_dirty": None if commit is None else git("status", "--porcelain",
-                                                         "--untracked-files=no") != "",
-            "cpu": cpu, "cpu_count": os.cpu_count(), "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "torch": torch.__version__,
-            "platform": platform.platform(),
-            "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
 def _run_config(args, model_config: TransformerConfig,
                 train_config: TrainConfig, corpus: ShardedCorpus | None = None) -> dict:
     data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
@@ -194,10 +129,6 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
                        "; drop those options, or train into a new --out")
 
 
-RUN_FILES = ("config.json", "tokenizer.model", "last.pt", "best.pt", "averaged.pt",
-             "metrics.jsonl", "results.json")
-
-
 def _arch(arch: str | None) -> None:
     ("Chapter 19.1's decoder-only kinds of model are its module's: imported (its configs "
      "registered for `TransformerConfig.preset` and `from_dict`) for them alone.")
@@ -264,8 +195,7 @@ def _check_out(out: Path, args) -> None:
     if (out / "last.pt").exists():
         raise CLIError(f"{out} already holds a run; add --resume to continue it, "
                        "or pass another --out")
-    found = ([n for n in RUN_FILES if (out / n).exists()]
-             + sorted(p.name for p in out.glob("step-*.pt")))
+    found = [p.name for p in run_files(out)]
     if found:
         raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) "
                        "but no last.pt to resume; pass another --out, or delete "
@@ -302,21 +232,14 @@ def cmd_train(args) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _terminate) if main_thread else None
     # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it
     # saves and stops
     try:
-        return _train(args, device, rank, world_size)
+        with sigterm_as_interrupt():
+            return _train(args, device, rank, world_size)
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
         if world_size > 1 and dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _terminate(signum, frame):
-    raise Terminated()
 
 
 def _train(args, device: torch.device, rank: int, world_size: int) -> int:
@@ -339,8 +262,7 @@ def _train(args, device: torch.device, rank: int, world_size: int) -> int:
             except BaseException:
                 # no checkpoint yet: leave no stub files
                 if not args.resume and not (out / "last.pt").exists():
-                    for path in [*(out / name for name in RUN_FILES),
-                                 *out.glob("step-*.pt")]:
+                    for path in run_files(out):
                         path.unlink(missing_ok=True)
                 raise
     finally:

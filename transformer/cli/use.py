@@ -8,10 +8,8 @@ import io
 import itertools
 import json
 import os
-import signal
 import stat
 import sys
-import threading
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -23,7 +21,7 @@ from sacrebleu import BLEU, CHRF
 from tqdm import tqdm
 
 from . import web  # appendix I: export --web
-from .commands import CLIError, Terminated, load_pairs
+from .commands import CLIError, load_pairs, sigterm_as_interrupt
 from ..engine.devices import fast_matmul, pick_device
 from ..engine.fast import translate
 from ..engine.trained import WEIGHTS, load, translate_chunks
@@ -96,17 +94,10 @@ def _input_lines(args) -> Iterator[str]:
 def _progress(args, total: int | None = None):
     """A progress bar on stderr when it is a terminal (not with --quiet); SIGTERM stops
     the command as Ctrl-C does, after the lines already written (they are flushed)."""
-    def stop(signum, frame):
-        raise Terminated()
-    main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, stop) if main else None
-    try:
-        with tqdm(total=total, unit=" sentences", file=sys.stderr, dynamic_ncols=True,
-                  disable=args.quiet or not sys.stderr.isatty()) as bar:
-            yield bar
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, previous)
+    with sigterm_as_interrupt(), tqdm(total=total, unit=" sentences", file=sys.stderr,
+                                      dynamic_ncols=True,
+                                      disable=args.quiet or not sys.stderr.isatty()) as bar:
+        yield bar
 
 
 def _write(out, lines: list[str], bar) -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .commands import write_json
 from ..data import UserError, sha256_file
+from ..engine.checkpoints import write_json
 from ..engine.trained import load, run_alpha
 from ..masking import causal_mask
 from ..tokens import Tokenizer, pad_batch
