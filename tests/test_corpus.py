@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from transformer.data import DataError, load_multi30k, multi30k_dir, shard_batches
+from transformer.data import DataError, load_multi30k, multi30k_dir
 from transformer.engine.corpus import ShardedCorpus, length_batches, main, prepare, sample_texts
 from transformer.engine.loop import my_pieces
 from transformer.tokens import Tokenizer, token_batches
@@ -72,14 +72,12 @@ def test_batches_equal_epoch_batches(prepared, seed, epoch, pieces):
 
 
 @pytest.mark.parametrize("options", [dict(shuffle=False), dict(max_sentences=7, seed=5),
-                                     dict(seed=2, rank=1, world_size=3), dict(seed=9, max_tokens=131)])
+                                     dict(seed=2), dict(seed=9, max_tokens=131)])
 def test_length_batches_equal_token_batches(prepared, options):
     _, examples = prepared
     src, tgt = [s for s, _ in examples], [t for _, t in examples]
     options = {"max_tokens": 300, **options}
-    share = {k: options.pop(k) for k in ("rank", "world_size") if k in options}   # appendix A's shard_batches
-    want = shard_batches(token_batches(src, tgt, **options), **share)
-    options.update(share)
+    want = token_batches(src, tgt, **options)
     got = length_batches([len(s) for s in src], [len(t) for t in tgt], **options)
     assert [b.tolist() for b in got] == want
 

@@ -26,7 +26,7 @@ try:
 except ImportError:                 # Windows: directories are not locked there
     fcntl = None
 
-from ..data import DataError, UserError, is_int, sha256_file, shard_batches
+from ..data import DataError, UserError, is_int, sha256_file
 from ..tokens import PAD, Tokenizer
 
 CORPUS_FORMAT = 1                 # the layout below; a reader refuses any other
@@ -39,7 +39,7 @@ FOREIGN = {"model": ("model.safetensors",),
 # %% auto #0
 __all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'FOREIGN', 'WMT14_DE_EN', 'WMT14_URLS', 'count_lines',
            'stream_lines', 'aligned_files', 'stream_pairs', 'sample_texts', 'RunDirectoryError', 'run_lock', 'prepare',
-           'Pairs', 'ShardedCorpus', 'length_batches', 'epoch_length_batches', 'main', 'wmt14_text']
+           'Pairs', 'ShardedCorpus', 'length_batches', 'main', 'wmt14_text']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
 def _opener(path: Path):
@@ -411,9 +411,11 @@ class Pairs:
 
     def epoch_batches(self, batch_tokens: int, seed: int, epoch: int,
                       pieces: int = 1) -> list[list[np.ndarray]]:
-        "Chapter 8's `epoch_batches` of these pairs, from their lengths: see `epoch_length_batches`."
-        return epoch_length_batches(self.src_lengths, self.tgt_lengths, batch_tokens, seed,
-                                    epoch, pieces)
+        """Chapter 8's `epoch_batches` of these pairs from their lengths alone (`length_batches`):
+        the same steps of `pieces` index arrays for the same seed, epoch and budget."""
+        batches = length_batches(self.src_lengths, self.tgt_lengths, batch_tokens // pieces,
+                                 seed=seed * 1_000_003 + epoch)
+        return [batches[i:i + pieces] for i in range(0, len(batches) - pieces + 1, pieces)]
 
     def __repr__(self) -> str:
         return f"Pairs({len(self):,} pairs, {len(self.index)} shard{'s' * (len(self.index) != 1)})"
@@ -560,8 +562,7 @@ class ShardedCorpus(Pairs):
 
 # %% ../../book/a_1_prepare.ipynb #a1-012
 def length_batches(src_lens, tgt_lens, max_tokens: int, *, shuffle: bool = True, seed: int = 0,
-                   max_sentences: int | None = None, rank: int = 0,
-                   world_size: int = 1) -> list[np.ndarray]:
+                   max_sentences: int | None = None) -> list[np.ndarray]:
     """Chapter 1's `token_batches` from the lengths alone: the same batches of indices, in the
     same order, for the same arguments, as numpy arrays. Memory: a few integers per pair."""
     src_lens, tgt_lens = np.asarray(src_lens), np.asarray(tgt_lens)
@@ -569,12 +570,9 @@ def length_batches(src_lens, tgt_lens, max_tokens: int, *, shuffle: bool = True,
         raise ValueError(f"src has {src_lens.shape} lengths but tgt has {tgt_lens.shape}")
     if len(src_lens) == 0:
         raise ValueError("token_batches got no sequences")
-    for name, value in (("max_tokens", max_tokens), ("world_size", world_size)):
-        _positive(name, value)
+    _positive("max_tokens", max_tokens)
     if max_sentences is not None:
         _positive("max_sentences", max_sentences)
-    if not isinstance(rank, int) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
     cost = np.maximum(np.maximum(src_lens, tgt_lens), 1).astype(np.int64)   # a pair's longer side
     longest = int(cost.argmax())
     if cost[longest] > max_tokens:
@@ -598,16 +596,7 @@ def length_batches(src_lens, tgt_lens, max_tokens: int, *, shuffle: bool = True,
     batches = [order[a:b] for a, b in itertools.pairwise(bounds)]
     if shuffle:
         rng.shuffle(batches)
-    return shard_batches(batches, rank, world_size)
-
-
-def epoch_length_batches(src_lens, tgt_lens, batch_tokens: int, seed: int, epoch: int,
-                         pieces: int = 1) -> list[list[np.ndarray]]:
-    """Chapter 8's `epoch_batches` from the lengths alone: the same steps of `pieces` index
-    arrays for the same seed, epoch and budget; `my_pieces` gives each process its share."""
-    budget = batch_tokens // pieces
-    batches = length_batches(src_lens, tgt_lens, budget, shuffle=True, seed=seed * 1_000_003 + epoch)
-    return [batches[i:i + pieces] for i in range(0, len(batches) - pieces + 1, pieces)]
+    return batches
 
 # %% ../../book/a_1_prepare.ipynb #a1-014
 def main(argv: Sequence[str] | None = None) -> int:
