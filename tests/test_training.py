@@ -867,6 +867,77 @@ def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_pat
     assert all(math.isfinite(r["loss"]) for r in result.history)
 
 
+def test_bucket_pads_a_batch_to_its_buckets_shape_with_pairs_that_carry_no_target():
+    from transformer.engine.loop import bucket
+    src, tgt = torch.tensor([[5, 6, EOS], [7, EOS, PAD]]), torch.tensor([[BOS, 5, 6, 7, EOS], [BOS, 8, EOS, PAD, PAD]])
+    s, t = bucket(src, tgt, budget=40, multiple=4)     # longer side 5 -> L = 8; cost > 4: at most 40 // 5 rows
+    assert s.shape == t.shape == (8, 8)
+    assert torch.equal(s[:2, :3], src) and torch.equal(t[:2, :5], tgt)
+    assert (s[:2, 3:] == PAD).all() and (t[:2, 5:] == PAD).all()
+    assert (s[2:, 0] == EOS).all() and (t[2:, 0] == BOS).all() and (s[2:, 1:] == PAD).all() and (t[2:, 1:] == PAD).all()
+    with pytest.raises(ValueError, match="does not fit a budget of 39 slots"):
+        bucket(torch.full((9, 3), 5), tgt, budget=39, multiple=4)   # 9 rows > 39 // 5
+
+
+@pytest.mark.parametrize("fast", [False, True])
+def test_a_bucketed_batch_gives_the_loss_and_the_gradients_of_the_batch_itself(fast):
+    "float64: the padded rows and columns add exactly nothing but rounding; every real token counts as before."
+    from transformer.engine.fast import FastSeq2SeqLoss, speed_up
+    from transformer.engine.loop import bucket
+    torch.manual_seed(0)
+    model = Transformer(tiny_config()).double()
+    criterion = FastSeq2SeqLoss(speed_up(model), 0.1) if fast else Seq2SeqLoss(model, 0.1)
+    examples = copy_examples(300, lo=2, hi=14)
+    grown = []
+    for piece in [step[0] for step in epoch_batches(examples, 256, 0, 0)[:4]]:
+        src, tgt = collate(examples, piece)
+        grown.append(len(bucket(src, tgt, 256, 8)[0]) > len(src))         # padding rows added
+        results = []
+        for batch in ((src, tgt), bucket(src, tgt, 256, 8)):
+            model.zero_grad()
+            loss, nll = criterion(*batch)
+            loss.backward()
+            results.append((loss.detach(), nll.detach(), [p.grad.clone() for p in model.parameters()]))
+        (l1, n1, g1), (l2, n2, g2) = results
+        assert torch.allclose(l1, l2, rtol=1e-12, atol=0) and torch.allclose(n1, n2, rtol=1e-12, atol=0)
+        assert all(torch.allclose(a, b, rtol=1e-9, atol=1e-13) for a, b in zip(g1, g2))
+    assert all(grown)
+
+
+@pytest.mark.slow
+def test_a_bucketed_run_compiles_one_static_graph_per_bucket_and_no_more(monkeypatch, tmp_path):
+    "train(compile=True, buckets=4) over two epochs: as many graphs as bucket shapes met, each compiled once."
+    import functools
+
+    from torch._dynamo.utils import counters
+
+    from transformer.engine.loop import bucket
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting_backend(graphs)))
+    torch.manual_seed(0)
+    examples = copy_examples(120, lo=2, hi=14)
+    per_epoch = len(epoch_batches(examples, 512, 0, 0))
+    steps = [piece for epoch in (0, 1) for step in epoch_batches(examples, 512, 0, epoch) for piece in step]
+    result = train(Transformer(tiny_config(0.1, n_layers=1)), examples, None,
+                   quick(max_steps=len(steps), compile=True, eval_every=1000), out_dir=tmp_path,
+                   progress=False, buckets=4)
+    plain = {tuple(collate(examples, piece)[0].shape) for piece in steps}
+    buckets = {tuple(bucket(*collate(examples, piece), 512, 4)[0].shape) for piece in steps}
+    assert result.step == 2 * per_epoch and result.epoch == 1
+    assert len(plain) > len(buckets) > 1                               # fewer shapes than batches met ...
+    assert len(graphs) == len(buckets) == counters["stats"]["unique_graphs"]   # ... one graph each
+    assert not counters["graph_break"] and all(math.isfinite(r["loss"]) for r in result.history)
+
+
+@pytest.mark.parametrize("buckets, compile", [(8, False), (0, True), (2.5, True), (True, True)])
+def test_buckets_need_compile_and_a_whole_multiple(buckets, compile):
+    with pytest.raises(ValueError, match=rf"buckets={buckets!r} must be an int >= 1 .* given with compile=True"):
+        train(Transformer(tiny_config()), copy_examples(50), None, quick(compile=compile), progress=False,
+              buckets=buckets)
+
+
 def test_train_checks_token_ids_once_at_the_data_boundary():
     bad = copy_examples(50) + [([3, 99, 3], [BOS, 5, EOS])]
     with pytest.raises(ValueError, match=r"train_examples\[50\]: the source holds token id 99 outside the vocabulary \[0, 16\)"):

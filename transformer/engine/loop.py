@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..data import is_number
+from ..data import is_int, is_number
 from transformer.engine.checkpoints import (  # appendix E
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -51,7 +51,7 @@ from transformer.engine.devices import (  # appendix F
 )
 from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
 from ..model import Transformer, TransformerConfig
-from ..tokens import PAD, UNK, Tokenizer, token_batches
+from ..tokens import BOS, EOS, PAD, UNK, Tokenizer, token_batches
 from transformer.training import (
     TrainConfig,
     collate,
@@ -62,7 +62,7 @@ from transformer.training import (
 )
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'my_pieces', 'merge_children',
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'my_pieces', 'bucket', 'merge_children',
            'SubwordDropout', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
 
 # %% ../../book/e_2_loop.ipynb #c030
@@ -154,7 +154,8 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
           config: TrainConfig | None = None, *,
           out_dir: str | os.PathLike | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
-          run: dict | None = None, eval_share: float | None = None) -> TrainResult:
+          run: dict | None = None, eval_share: float | None = None,
+          buckets: int | None = None) -> TrainResult:
     """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a
     list, a function of the epoch that returns that epoch's list (`SubwordDropout`), or a
     prepared corpus (appendix A.1's `ShardedCorpus`, batched from its lengths).
@@ -170,7 +171,9 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
     default) caps the evaluations' share of the run's time: an evaluation due every
     `eval_every` steps is put off to a later multiple while it would pass that share,
     timed as the last one took; `last.pt` is still saved every `eval_every` steps, and
-    the first and the final evaluations always run."""
+    the first and the final evaluations always run. `buckets=m` (with `compile`) pads
+    each batch to its bucket (`bucket`): one static graph a bucket instead of one graph
+    with dynamic shapes."""
     config = config or TrainConfig()
     if not train_examples:
         raise ValueError("train_examples is empty; "
@@ -192,11 +195,15 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
         raise ValueError(f"eval_share={eval_share!r} must lie between 0 and 1 (the share "
                          "of the run's time its evaluations may take, e.g. 0.1); None "
                          "evaluates every eval_every steps")
+    if buckets is not None and not (is_int(buckets) and buckets >= 1 and config.compile):
+        raise ValueError(f"buckets={buckets!r} must be an int >= 1 (the lengths' multiple, "
+                         "e.g. 8) given with compile=True: it pads batches for the compiled "
+                         "step's static graphs; None keeps one graph with dynamic shapes")
     out = Path(out_dir) if out_dir is not None else None
     if resume and out is None:
         raise ValueError("resume=True needs out_dir, the directory that holds last.pt")
     loop = _Loop(model, train_examples, val_examples, config, out, on_eval, progress,
-                 run, eval_share)
+                 run, eval_share, buckets)
     if out is None or world()[0] != 0:
         return loop.run(resume)
     with run_lock(out):
@@ -216,12 +223,34 @@ def my_pieces(step_pieces: list[list[int]], rank: int = 0,
     return step_pieces[rank::world_size]
 
 
+def bucket(src: torch.Tensor, tgt: torch.Tensor, budget: int, multiple: int
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch padded to the shape `(rows, L)` of its bucket, both sides: `L` is its longer
+    side rounded up to a multiple of `multiple`, `rows` the most sentences chapter 1's
+    batcher puts in a batch of `budget` slots whose longest pair is longer than
+    `L - multiple`. A compiled step then meets one shape per bucket. The added rows are
+    one-token pairs (EOS; BOS) whose targets are all padding: they add nothing to the
+    loss or to any gradient."""
+    length = -(-max(src.shape[1], tgt.shape[1]) // multiple) * multiple
+    rows = budget // (length - multiple + 1)
+    if src.shape[0] > rows:
+        raise ValueError(f"a batch of {src.shape[0]} sentences up to {length} tokens long "
+                         f"does not fit a budget of {budget} slots: not chapter 1's batches")
+    out = []
+    for ids, first in ((src, EOS), (tgt, BOS)):
+        padded = ids.new_full((rows, length), PAD)
+        padded[:, 0] = first
+        padded[:ids.shape[0], :ids.shape[1]] = ids
+        out.append(padded)
+    return out[0], out[1]
+
+
 class _Loop:
     """One training run: its state, and its moves (a step, a look at the numbers, an
     evaluation, a save)."""
 
     def __init__(self, model, examples, val_examples, config, out, on_eval, progress,
-                 run, eval_share=None):
+                 run, eval_share=None, buckets=None):
         # a list, or a function of the epoch (the pairs segmented anew, `SubwordDropout`)
         self.examples_of = examples if callable(examples) else (lambda epoch: examples)
         self.model, self.val_examples = model, val_examples
@@ -239,9 +268,15 @@ class _Loop:
         criterion = FastSeq2SeqLoss(speed_up(model), config.label_smoothing)  # appendix D.2
         self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
         self.net = self.ddp or criterion
+        self.buckets = buckets
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
             inductor_workarounds()  # appendix F
-            self.net = torch.compile(self.net, fullgraph=self.ddp is None)
+            if buckets:     # a static graph a bucket: let Dynamo keep one for every length
+                limit = getattr(model.config, "max_len", 1024) // buckets + 2
+                torch._dynamo.config.recompile_limit = max(
+                    torch._dynamo.config.recompile_limit, limit)
+            self.net = torch.compile(self.net, fullgraph=self.ddp is None,
+                                     dynamic=False if buckets else None)
         self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
                    "eval_seconds": 0.0, "tokens": 0}
         self.best, self.saved_step, self.history = None, None, []
@@ -300,7 +335,12 @@ class _Loop:
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
         examples, mine = item[-2], my_pieces(item[-1], self.rank, self.world_size)
-        return [t for piece in mine for t in examples.collate(piece)]
+        tensors = [t for piece in mine for t in examples.collate(piece)]
+        if self.buckets:     # for the compiled step's static graphs (see `bucket`)
+            budget = self.config.batch_tokens // self.pieces
+            tensors = [t for pair in zip(tensors[::2], tensors[1::2])
+                       for t in bucket(*pair, budget, self.buckets)]
+        return tensors
 
     def run(self, resume: bool) -> TrainResult:
         "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
@@ -381,7 +421,7 @@ class _Loop:
         for j, (src, tgt) in enumerate(pairs):
             last = j == len(pairs) - 1
             with nullcontext() if self.ddp is None or last else self.ddp.no_sync():
-                if c.compile:  # one graph for every batch shape
+                if c.compile and not self.buckets:  # one graph for every batch shape
                     for t in (src, tgt):
                         torch._dynamo.maybe_mark_dynamic(t, 0)
                         torch._dynamo.maybe_mark_dynamic(t, 1)
