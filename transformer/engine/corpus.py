@@ -10,6 +10,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import sys
 import warnings
 import zlib
@@ -197,12 +198,18 @@ def _positive(name: str, value) -> int:
     return value
 
 
-def _save(path: Path, array_: np.ndarray) -> dict:
-    "Write one .npy file atomically; its name, size and sha256 for the manifest."
-    tmp = path.with_name(path.name + ".tmp")
+def _write(path: Path, write) -> Path:
+    """`write(f)` fills a temporary file that is then renamed over `path`, so that a killed
+    prepare never leaves a part of a file under its name (the lock's cleanup removes it)."""
+    tmp = path.with_name(f".{path.name}.tmp")
     with open(tmp, "wb") as f:
-        np.save(f, array_)
+        write(f)
     os.replace(tmp, path)
+    return path
+
+
+def _entry(path: Path) -> dict:
+    "A written file's name, size and sha256, for the manifest."
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
 
 
@@ -217,7 +224,7 @@ def _write_shard(out: Path, k: int, parts: list) -> dict:
     src, src_len, tgt, tgt_len = (np.concatenate(p) for p in zip(*parts, strict=True))
     index = np.stack([np.cumsum(src_len) - src_len, src_len,
                       np.cumsum(tgt_len) - tgt_len, tgt_len], axis=1)   # (pairs, 4) int64
-    files = {side: _save(out / f"{side}-{k:05d}.npy", a)
+    files = {side: _entry(_write(out / f"{side}-{k:05d}.npy", lambda f, a=a: np.save(f, a)))
              for side, a in (("src", src), ("tgt", tgt), ("index", index))}
     return {"pairs": len(index), "src_tokens": len(src), "tgt_tokens": len(tgt), "files": files}
 
@@ -236,11 +243,8 @@ def _write_split(out: Path, name: str, files: list) -> dict:
         raise DataError(f"{name} files {files[0][0]} / {files[0][1]} hold no pair of non-empty lines")
     entry = {"pairs": len(pairs), "from": [str(f) for f in files[0][:2]]}
     for k, side in enumerate(("src", "tgt")):
-        path = out / f"{name}.{side}.txt"
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(pair[k] + "\n" for pair in pairs), encoding="utf-8")
-        os.replace(tmp, path)
-        entry[side] = {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path)}
+        text = "".join(pair[k] + "\n" for pair in pairs).encode("utf-8")
+        entry[side] = _entry(_write(out / f"{name}.{side}.txt", lambda f, t=text: f.write(t)))
     return entry
 
 
@@ -331,9 +335,7 @@ def _prepare(files, held_out, lines, out, vocab_size, tokenizer, sample_sentence
         "tokenizer": {"name": TOKENIZER_FILE, "sha256": written,
                       "trained_on": trained_on, "sample_sentences": sample_sentences},
         "shard_pairs": shard_pairs, "shards": shards, "splits": splits}
-    tmp = out / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1) + "\n")
-    os.replace(tmp, out / MANIFEST)
+    _write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
     return out
 
 # %% ../../book/a_1_prepare.ipynb #a1-010
@@ -690,15 +692,12 @@ def wmt14_text(raw_dir: str | os.PathLike) -> tuple[list[Path], list[Path]]:
                         if f.name not in members:
                             raise DataError(f"{path}: holds no {f.name}; is it the WMT14 archive "
                                             f"from {WMT14_URLS[archive]}?")
-                        tmp = f.with_name(f.name + ".tmp")
-                        with tar.extractfile(members[f.name]) as src, open(tmp, "wb") as dst:
-                            while chunk := src.read(1 << 24):
-                                dst.write(chunk)
-                        os.replace(tmp, f)
+                        with tar.extractfile(members[f.name]) as src:
+                            _write(f, lambda dst, src=src: shutil.copyfileobj(src, dst, 1 << 24))
             except (tarfile.TarError, EOFError, zlib.error) as e:
                 raise DataError(f"{path}: not a whole .tgz archive ({e}); download it again") from None
             sources[archive] = digest
-            record.write_text(json.dumps(sources, indent=1) + "\n")
+            _write(record, lambda f: f.write((json.dumps(sources, indent=1) + "\n").encode()))
         en.append(files[0])
         de.append(files[1])
     return en, de

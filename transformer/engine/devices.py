@@ -198,21 +198,18 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
             for item in items:
                 if stop.is_set():
                     return
-                ahead.put(("batch", (item, ready(item))))
-            ahead.put(("end", None))
+                ahead.put((item, ready(item)))
+            ahead.put(None)                  # the end
         except BaseException as e:           # handed to the consumer, raised there
-            ahead.put(("error", e))
+            ahead.put(e)
 
     worker = threading.Thread(target=work, name="prefetch", daemon=True)
     worker.start()
     try:
-        while True:
-            kind, value = ahead.get()
-            if kind == "end":
-                return
-            if kind == "error":
-                raise value
-            yield value[0], to_device(value[1])
+        while (got := ahead.get()) is not None:
+            if isinstance(got, BaseException):
+                raise got
+            yield got[0], to_device(got[1])
     finally:
         stop.set()
         while worker.is_alive():             # free a worker blocked on a full queue

@@ -24,6 +24,7 @@ from transformer.engine.checkpoints import (
     atomic_write,
     load_checkpoint,
     model_from_checkpoint,
+    read_metrics,
     write_json,
 )
 from .fast import translate
@@ -582,18 +583,13 @@ def collect(results: str | Path, variants: list[Variant]) -> list[dict]:
         if v.command == "evaluate":
             record.update(val_bleu=r["bleu_lc_tok"], beam=r["beam"], alpha=r["alpha"])
         else:
-            evals = [m for m in _metrics(run) if m.get("kind") == "eval"]
+            metrics = run / "metrics.jsonl"
+            evals = [m for m in (read_metrics(metrics) if metrics.exists() else [])
+                     if m.get("kind") == "eval"]
             record.update(test_bleu=r["bleu_lc_tok"], val_bleu=r["val"]["bleu_lc_tok"],
                           params=r["params"], steps=r["steps"],
                           train_minutes=r["train_seconds"] / 60,
                           val_ppl=evals[-1]["val_ppl"] if evals else None)
         rows.append(record)
     return rows
-
-
-def _metrics(run: Path) -> list[dict]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
