@@ -55,10 +55,8 @@ class _Bench:
         self.batches = [(s.to(dev), t.to(dev)) for s, t in data.batches]
         # the first rows of every batch, all-pad columns dropped
         per_batch = max(1, math.ceil(decode_sentences / len(self.batches)))
-        self.decode_srcs = []
-        for s, _ in self.batches:
-            rows = s[:per_batch]
-            self.decode_srcs.append(rows[:, : int((rows != PAD).sum(1).max())])
+        self.decode_srcs = [rows[:, : int((rows != PAD).sum(1).max())]
+                            for rows in (s[:per_batch] for s, _ in self.batches)]
         self.n_decode = sum(r.size(0) for r in self.decode_srcs)
         torch.manual_seed(seed)
         self.config = TransformerConfig.preset(preset, src_vocab=data.vocab_size,
@@ -283,11 +281,9 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
                   "nn_tflops": tflops["nn"],
                   "peak_tflops_assumed": peak,
                   "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
-                  "note": "matmul FLOPs counted from the padded shapes; peak is an "
-                          "assumption from the vendor's dense bf16 figure for this "
-                          "device name" if peak else
-                          "matmul FLOPs counted from the padded shapes; no MFU "
-                          "(no assumed peak for this device)"},
+                  "note": "matmul FLOPs counted from the padded shapes; " + (
+                      "peak is an assumption from the vendor's dense bf16 figure for this "
+                      "device name" if peak else "no MFU (no assumed peak for this device)")},
         "speedup_vs_nn": statistics.median(train_ratio),
     }
 
@@ -408,15 +404,13 @@ def main(argv: list[str] | None = None,
     p.add_argument("--out", type=Path, default=None,
                    help="also write the JSON result to this file")
     args = p.parse_args(argv)
-    for name in ("repeats", "batches", "decode_sentences", "vocab_size"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')}={getattr(args, name)} must be >= 1")
+    for name in ("repeats", "batches", "decode_sentences", "vocab_size", "max_tokens",
+                 "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:   # None: the preset's, torch's
+            p.error(f"--{name.replace('_', '-')}={value} must be >= 1")
     if args.warmup < 0:
         p.error(f"--warmup={args.warmup} must be >= 0")
-    for name in ("max_tokens", "threads"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            p.error(f"--{name.replace('_', '-')}={value} must be >= 1")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
     try:

@@ -134,6 +134,14 @@ def _unverified_flag(parser) -> None:
                              "purpose")
 
 
+def _model_flags(parser, what: str = "a run directory written by train, or a model "
+                                      "directory written by export") -> None:
+    parser.add_argument("--model", metavar="DIR", required=True, help=what)
+    parser.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
+                        default="chosen", help="which weights (default: what train picked on "
+                                               "val: averaged.pt if it won, else best.pt)")
+
+
 def _decoding_flags(parser) -> None:
     "--beam and --alpha, for train's final evaluation and for translate/evaluate."
     parser.add_argument("--beam", type=BEAM, default=4,
@@ -278,12 +286,7 @@ def _inference_parsers(sub) -> None:
                          "score a model on a Multi30k split or on two files")):
         c = sub.add_parser(name, help=help_,
                            description=help_[0].upper() + help_[1:] + ".")
-        c.add_argument("--model", metavar="DIR", required=True,
-                       help="a run directory written by train")
-        c.add_argument("--checkpoint",
-                       choices=["chosen", "best", "last", "averaged"], default="chosen",
-                       help="which weights (default: what train picked on val: "
-                            "averaged.pt if it won, else best.pt)")
+        _model_flags(c)
         _decoding_flags(c)
         c.add_argument("--device", choices=DEVICES, default="auto")
         c.add_argument("--threads", type=POSITIVE, metavar="N")
@@ -325,13 +328,9 @@ def _export_parser(sub) -> None:
                                    "a model card (README.md), to a new directory that "
                                    "translate, evaluate and attend read like a run "
                                    "directory.")
-    x.add_argument("--model", metavar="DIR", required=True,
-                   help="a run directory written by train")
+    _model_flags(x, "a run directory written by train")
     x.add_argument("--out", metavar="DIR", required=True,
                    help="a new (or empty) directory")
-    x.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
-                   default="chosen",
-                   help="which weights (default: what train picked on val)")
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
     x.add_argument("--web", action="store_true",
@@ -364,11 +363,7 @@ def _add_figure_commands(sub) -> None:
                                    "work: at most 200 pieces a side and 100,000,000 "
                                    "pixels (65,535 a side) in all.")
     a.add_argument("text", metavar="SENTENCE", help="the source sentence")
-    a.add_argument("--model", metavar="DIR", required=True,
-                   help="a run directory written by train, or a model directory "
-                        "written by export")
-    a.add_argument("--checkpoint", choices=["chosen", "best", "last", "averaged"],
-                   default="chosen", help="which weights (default: chosen)")
+    _model_flags(a)
     a.add_argument("--kind", choices=["cross", "encoder", "decoder"], default="cross",
                    help="cross-attention, or the encoder's or the decoder's "
                         "self-attention (default: cross)")

@@ -13,6 +13,7 @@ from torch import nn
 from .commands import provenance
 from ..data import load_multi30k
 from ..engine.fast import Dropout, FastSeq2SeqLoss
+from ..masking import causal_mask
 from ..model import Transformer, TransformerConfig
 from ..positions import PositionalEncoding
 from ..tokens import PAD, Embeddings, Tokenizer, pad_batch, token_batches
@@ -86,27 +87,22 @@ class TorchTransformer(nn.Module):
     def decode(self, tgt_in: torch.Tensor, memory: torch.Tensor,
                src_mask: torch.Tensor | None = None,
                tgt_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """As `Transformer.decode`; `tgt_mask`, when given, must be one (T, T) mask for
-        all rows, e.g. `causal_mask(T)`."""
+        """As `Transformer.decode`; `tgt_mask` (default: causal; padding comes after the
+        real tokens, which never see it) must be one (T, T) mask for all rows, e.g. the
+        `causal_mask(T)` that `greedy_search` passes."""
         T = tgt_in.size(1)
         memory_pad = (None if src_mask is None
                       else ~src_mask[:, 0, 0, :])  # (B, S), True = pad
-        if tgt_mask is None:      # the default of our model: causal and not padding
-            future = torch.ones(T, T, dtype=torch.bool,
-                                device=tgt_in.device).triu(1)  # (T, T), True = masked
-            tgt_pad = tgt_in == self.config.pad_id             # (B, T)
-        else:
-            if tgt_mask.dim() == 4 and tgt_mask.shape[:2] == (1, 1):
-                tgt_mask = tgt_mask[0, 0]
-            if tgt_mask.shape != (T, T):
-                raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) "
-                                 "target mask for all rows, "
-                                 f"got shape {tuple(tgt_mask.shape)}")
-            future, tgt_pad = ~tgt_mask, None
+        if tgt_mask is None:
+            tgt_mask = causal_mask(T, device=tgt_in.device)
+        if tgt_mask.dim() == 4 and tgt_mask.shape[:2] == (1, 1):
+            tgt_mask = tgt_mask[0, 0]
+        if tgt_mask.shape != (T, T):
+            raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) "
+                             "target mask for all rows, "
+                             f"got shape {tuple(tgt_mask.shape)}")
         y = self.pos(self.tgt_embed(tgt_in))
-        return self.core.decoder(y, memory, tgt_mask=future,
-                                 tgt_is_causal=tgt_mask is None,
-                                 tgt_key_padding_mask=tgt_pad,
+        return self.core.decoder(y, memory, tgt_mask=~tgt_mask,  # True = masked
                                  memory_key_padding_mask=memory_pad)
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
@@ -181,12 +177,11 @@ class BenchData:
 
 
 def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 8000,
-               src_lang: str = "de", tgt_lang: str = "en", n_pairs: int | None = None,
-               seed: int = 0) -> BenchData:
-    """Real batches: Multi30k train pairs, a joint sentencepiece vocabulary,
+               n_pairs: int | None = None, seed: int = 0) -> BenchData:
+    """Real batches: Multi30k's German-English train pairs, a joint sentencepiece vocabulary,
     `token_batches` with a budget of `max_tokens` padded slots (length buckets), and
     `n_batches` of them drawn in the shuffled order."""
-    pairs = load_multi30k(src_lang, tgt_lang, "train", progress=False)
+    pairs = load_multi30k("de", "en", "train", progress=False)
     if n_pairs is not None:
         pairs = pairs[:n_pairs]
     tok = Tokenizer.train([s for pair in pairs for s in pair], vocab_size=vocab_size)

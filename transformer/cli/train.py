@@ -410,23 +410,20 @@ def _check_prepared(args, corpus: Path) -> None:
     args.subword_dropout = 0.0
 
 
-_SCORES = ("bleu", "bleu_lc_tok", "chrf")
-
-
 def _results(args, split: str, final: dict, result, train_config: TrainConfig, device,
              world_size: int, final_seconds: float, provenance: dict) -> dict:
     "What results.json records of a finished run."
-    test = final["test"]
-    return {"bleu": test["bleu"], "bleu_lc_tok": test["bleu_lc_tok"],
-            "chrf": test["chrf"],
+    def scores(s: dict) -> dict:
+        return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
+
+    return {**scores(final["test"]),
             "split": split, "beam": args.beam, "alpha": final["alpha"],
             "checkpoint": final["checkpoint"], "averaged": final["averaged"],
-            "greedy": {k: final["greedy"][k] for k in _SCORES},
-            "val": {k: final["val"][k] for k in _SCORES},
-            "val_by_checkpoint": {name: {k: s[k] for k in _SCORES}
+            "greedy": scores(final["greedy"]), "val": scores(final["val"]),
+            "val_by_checkpoint": {name: scores(s)
                                   for name, s in final["val_by_checkpoint"].items()},
-            "val_grid": [{"snapshots": row["snapshots"], "alpha": row["alpha"],
-                          **{k: row[k] for k in _SCORES}} for row in final["val_grid"]],
+            "val_grid": [{"snapshots": row["snapshots"], "alpha": row["alpha"], **scores(row)}
+                         for row in final["val_grid"]],
             "final_eval_seconds": final_seconds,
             "train_seconds": result.train_seconds,
             "eval_seconds": result.eval_seconds,
@@ -438,7 +435,7 @@ def _results(args, split: str, final: dict, result, train_config: TrainConfig, d
             "world_size": world_size, "torch": torch.__version__,
             "params": final["model"].num_parameters(),
             "preset": args.preset, "src": args.src, "tgt": args.tgt,
-            "eval_sentences": args.eval_sentences, "signatures": test["signatures"],
+            "eval_sentences": args.eval_sentences, "signatures": final["test"]["signatures"],
             "train_config": asdict(train_config),
             "command": "python -m transformer " + " ".join(args.argv), **provenance,
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

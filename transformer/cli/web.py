@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import importlib.util
 import json
 import os
 import warnings
@@ -30,15 +31,9 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6  # Model
 
 
 def _piece_type(sp, i: int) -> int:
-    if sp.is_unknown(i):
-        return UNKNOWN
-    if sp.is_control(i):
-        return CONTROL
-    if sp.is_unused(i):
-        return UNUSED
-    if sp.is_byte(i):
-        return BYTE
-    return NORMAL
+    kinds = ((UNKNOWN, sp.is_unknown), (CONTROL, sp.is_control), (UNUSED, sp.is_unused),
+             (BYTE, sp.is_byte))
+    return next((kind for kind, is_kind in kinds if is_kind(i)), NORMAL)
 
 
 def tokenizer_json(tokenizer: Tokenizer) -> dict:
@@ -198,14 +193,6 @@ def quantize_int8(path: str | os.PathLike, vocab_size: int, d_model: int) -> byt
 WEB_FORMAT = "transformer-book/web/1"
 
 
-def _missing_onnx() -> str | None:
-    "Why the web export cannot run here (onnx or onnxruntime missing), or None."
-    import importlib.util
-    missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
-    return (f"{' and '.join(missing)} not installed: pip install 'transformer-book[web]'"
-            if missing else None)
-
-
 def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
                precision: str = "int8", which: str = "chosen") -> dict:
     """Write a model directory (or run) as the files a web page runs: encoder.onnx,
@@ -214,8 +201,10 @@ def export_web(model_dir: str | os.PathLike, out_dir: str | os.PathLike,
     or "float32"; `which`: the checkpoint of a run directory (appendix E.1's `load`)."""
     if precision not in ("int8", "float32"):
         raise ValueError(f"precision={precision!r} is not 'int8' or 'float32'")
-    if why := _missing_onnx():
-        raise UserError(f"export --web needs onnx and onnxruntime: {why}")
+    missing = [m for m in ("onnx", "onnxruntime") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"export --web needs onnx and onnxruntime: {' and '.join(missing)} "
+                        "not installed: pip install 'transformer-book[web]'")
     trained = load(model_dir, which)
     model, tokenizer, c = trained.model, trained.tokenizer, trained.model.config
     out_dir = Path(out_dir)
@@ -280,8 +269,7 @@ class WebModel:
 
     def step(self, tgt, memory, src):
         "-> log_probs (B, V), cross_attention (n_layers, B, h, S) at the last position."
-        log_probs, cross = self.decoder.run(None, {"tgt": tgt, "memory": memory, "src": src})
-        return log_probs, cross
+        return tuple(self.decoder.run(None, {"tgt": tgt, "memory": memory, "src": src}))
 
     def greedy(self, src) -> list[list[int]]:
         "Greedy decoding of src ids (B, S) -> B lists of ids (no BOS, no EOS)."
@@ -322,8 +310,6 @@ class WebModel:
 # %% ../../book/i_web.ipynb #w035
 def cmd_export_web(args) -> int:
     "`export --web`: the files a web page runs (`export_web`), in the new --out `cmd_export` checked."
-    if why := _missing_onnx():
-        raise UserError(f"export --web: {why}")
     out = Path(args.out)
     config = export_web(args.model, out, "int8" if args.half else "float32",
                         args.checkpoint)
