@@ -243,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
     args = build_parser().parse_args(argv[:len(argv) - len(extra) - bool(extra)])
+    out = Path(args.out).expanduser()
     try:
         base, variants = read_variants(args.variants)
         if args.jobs < 1 or (args.threads is not None and args.threads < 1):
@@ -257,18 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             raise SweepError("--out after --: every variant would train into that one "
                              "directory; the sweep gives each its own (<--out>/<name>): drop it")
         if args.results:
-            check_results(Path(args.out).expanduser(), Path(args.results), variants)
+            check_results(out, Path(args.results), variants)
+        for flag, path in (("--out", out), ("--results", args.results)):
+            if path is not None and Path(path).exists() and not Path(path).is_dir():
+                raise SweepError(f"{flag} {path} is a file; name a directory (it is created "
+                                 "if missing)")
     except SweepError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     extra = [*(["--threads", str(args.threads)] if args.threads else []),
              *(["--data", args.data] if args.data else []), *extra]
-    out = Path(args.out).expanduser()
-    for flag, path in (("--out", out), ("--results", args.results)):
-        if path is not None and Path(path).exists() and not Path(path).is_dir():
-            print(f"error: {flag} {path} is a file; name a directory (it is created "
-                  "if missing)", file=sys.stderr)
-            return 2
     if args.list:
         for v in variants:
             print(f"{run_state(out / v.name):11} {v.name:18} "

@@ -267,10 +267,8 @@ def cmd_evaluate(args) -> int:
                 _write(out, chunk, bar)
     s = scores.result()
     if args.json:
-        print(json.dumps({"bleu": s["bleu"], "bleu_lc_tok": s["bleu_lc_tok"],
-                          "chrf": s["chrf"], "data": where,
-                          "sentences": total, "beam": args.beam,
-                          "alpha": args.alpha,
+        print(json.dumps({**{k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}, "data": where,
+                          "sentences": total, "beam": args.beam, "alpha": args.alpha,
                           "signatures": s["signatures"]}))
     else:
         print(f"{where}, {total} sentences, beam {args.beam}: BLEU "
