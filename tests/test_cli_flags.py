@@ -146,6 +146,8 @@ def test_help_lists_each_group_and_every_flag():
     (["--max-len", "0"], "argument --max-len: 0 must be > 0"),
     (["--seed", "-1"], "argument --seed: -1 must be >= 0"),
     (["--h"], "argument --h: expected one argument"),
+    (["--buckets", "0"], "argument --buckets: 0 must be > 0"),
+    (["--buckets", "8"], "error: --buckets 8 pads batches for a compiled step; add --compile, or drop --buckets"),
     (["--preset", "tiny", "--d-model", "100", "--h", "3"], "error: --d-model 100 is not divisible by --h 3; choose"),
     (["--preset", "tiny", "--n-layers", "2", "--heads", "3"], "error: --d-model 64 is not divisible by --heads 3"),
 ])
@@ -167,3 +169,9 @@ def test_eval_share_defaults_to_a_tenth_and_takes_a_share():
     for bad in ("0", "-0.1", "1.5", "x"):
         with pytest.raises(CLIError, match="argument --eval-share: "):
             parse(["train", "--eval-share", bad])
+
+
+def test_buckets_default_to_one_graph_of_dynamic_shapes():
+    "train --buckets M (appendix E.2's train(buckets=M)) is off unless asked for."
+    parse = build_parser().parse_args
+    assert parse(["train"]).buckets is None and parse(["train", "--compile", "--buckets", "8"]).buckets == 8

@@ -327,3 +327,17 @@ def test_a_run_stopped_by_its_time_limit_redoes_only_the_final_evaluation(multi3
     assert got == 0, err
     assert json.loads((out / "results.json").read_text())["steps"] == 3
     assert (out / "metrics.jsonl").read_text() == metrics
+
+
+@pytest.mark.slow
+def test_train_hands_buckets_to_the_loop(multi30k_slice, tmp_path, monkeypatch):
+    "--compile --buckets 4 reaches appendix E.2's train(buckets=4) (the loop's tests prove what it does)."
+    seen = {}
+
+    def stop_here(model, examples, val, config, **kwargs):
+        seen.update(compile=config.compile, buckets=kwargs["buckets"])
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli_train, "train", stop_here)
+    got, stdout, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--compile", "--buckets", 4,
+                           "--out", tmp_path / "run")
+    assert got == 130 and seen == {"compile": True, "buckets": 4}, err

@@ -177,6 +177,10 @@ def _train_parser(sub) -> None:
     r.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
     r.add_argument("--threads", type=POSITIVE, metavar="N",
                    help="CPU threads per process (default: torch's)")
+    r.add_argument("--buckets", type=POSITIVE, metavar="M",
+                   help="with --compile: pad each batch to a bucket of lengths a multiple of M, "
+                        "one static graph a bucket (default: one graph of dynamic shapes; "
+                        "appendix E.2)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
     m = t.add_argument_group("model: TransformerConfig, chapter 7 (default: the preset's)")
     m.add_argument("--vocab-size", type=POSITIVE, metavar="N",

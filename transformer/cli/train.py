@@ -221,6 +221,9 @@ def cmd_train(args) -> int:
     if args.src == args.tgt:
         raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
                        "languages")
+    if args.buckets and not args.compile:
+        raise CLIError(f"--buckets {args.buckets} pads batches for a compiled step; add "
+                       "--compile, or drop --buckets")
     device = pick_device(args.device, bool(args.compile))
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -298,7 +301,8 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
                    resume=args.resume,
                    on_eval=bleu_callback(tokenizer, val_pairs, beam_size=1),
                    progress=not args.quiet, run=run,
-                   eval_share=None if args.eval_share == 1 else args.eval_share)
+                   eval_share=None if args.eval_share == 1 else args.eval_share,
+                   buckets=args.buckets)
     if result.stopped == "interrupted":
         signum = result.signal or signal.SIGINT
         again = "python -m transformer " + shlex.join(
