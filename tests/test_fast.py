@@ -70,9 +70,9 @@ def test_dropout_mask_drops_the_rounded_p_and_keeps_the_mean(p):
 
 def test_dropout_mask_odd_sizes_and_dtype():
     for shape in [(1,), (3, 5), (7, 1, 3)]:                      # not a multiple of 4 entries
-        m = dropout_mask(torch.empty(shape), 0.5, torch.bfloat16)
-        assert m.shape == shape and m.dtype == torch.bfloat16
-        assert dropout_mask(torch.empty(shape, dtype=F64), 0.5).dtype == F64   # default: the dtype of `like`
+        for dtype in (torch.bfloat16, F64):                        # the dtype of `like`
+            m = dropout_mask(torch.empty(shape, dtype=dtype), 0.5)
+            assert m.shape == shape and m.dtype == dtype
 
 
 def test_dropout_masks_are_independent_across_positions():

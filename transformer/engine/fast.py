@@ -19,12 +19,7 @@ from torch import Tensor, nn
 from ..attention import scaled_dot_product_attention
 from ..blocks import DecoderLayer, EncoderLayer, residual
 from ..data import is_int
-from transformer.decoding import (
-    PrefixDecoder,
-    length_penalty,
-    output_limits,
-    until_eos,
-)
+from ..decoding import PrefixDecoder, length_penalty, output_limits, until_eos
 from ..evaluation import score
 from ..heads import MultiHeadAttention, merge_heads, split_heads
 from ..masking import padding_mask, teacher_forcing
@@ -33,7 +28,7 @@ from ..tokens import BOS, EOS, Tokenizer, pad_batch
 from ..training import Seq2SeqLoss, label_smoothed_nll
 
 # %% ../../book/d_2_fast.ipynb #c015b
-def dropout_mask(like: Tensor, p: float, dtype: torch.dtype | None = None) -> Tensor:
+def dropout_mask(like: Tensor, p: float) -> Tensor:
     """The scaled keep-mask of dropout, shaped like `like`: 0 with probability
     p' = round(p * 2^15) / 2^15, else 1 / (1 - p'). Four 15-bit uniform integers come
     from each 64-bit random draw."""
@@ -43,9 +38,8 @@ def dropout_mask(like: Tensor, p: float, dtype: torch.dtype | None = None) -> Te
     # 4 per word, each uniform on [0, 2^15)
     draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF
     cut = round(p * 2**15)  # drop when draw < cut: P = cut / 2^15
-    scale = torch.tensor(2**15 / (2**15 - cut), dtype=dtype or like.dtype,
-                         device=like.device)
-    # 1/(1 - p') or 0, in the dtype asked for
+    scale = torch.tensor(2**15 / (2**15 - cut), dtype=like.dtype, device=like.device)
+    # 1/(1 - p') or 0, in the dtype of `like`
     return torch.where(draws >= cut, scale, scale.new_zeros(()))
 
 
@@ -105,18 +99,13 @@ def _fused(linears: list[nn.Linear], x: Tensor) -> list[Tensor]:
 
 
 class Float32Attention(MultiHeadAttention):
-    """Chapter 4's `MultiHeadAttention`, attending with `float32_attention`, and in training
-    with $W^Q, W^K, W^V$ as one matrix product where they read one input (self-attention;
-    $W^K, W^V$ in cross-attention): fewer, larger products, the same parameters. In
-    evaluation the products stay chapter 4's, so the logits are the plain model's bit for
-    bit on any CPU. In training the mask goes to PyTorch's kernel without chapter 3's fix-up
-    of queries that see no key (`blind_rows=False`): a training batch has none. Every source
-    holds its EOS and every target its BOS (chapter 8's `make_examples`, appendix A.1's
-    `prepare` and E.2's `SubwordDropout` write `(x EOS, BOS y EOS)`; the tokenizer never
-    writes PAD; E.2's `check_examples` refuses any other example with a side of padding
-    only), the encoder and the cross-attention are masked by the source's padding
-    only, and the decoder gets the causal flag (chapter 19.1's packed sequences: causal and
-    padding, position 0 a real token). `speed_up` swaps it in."""
+    """Chapter 4's `MultiHeadAttention`, attending with `float32_attention`. In training
+    $W^Q, W^K, W^V$ are one matrix product where they read one input (self-attention; $W^K,
+    W^V$ in cross-attention): fewer, larger products, the same parameters; and the mask goes
+    to PyTorch's kernel without chapter 3's fix-up of queries that see no key
+    (`blind_rows=False`), since a training batch has none (appendix D.2, *No fix-up of blind
+    queries in training*; E.2's `check_examples` refuses any other). In evaluation the
+    products stay chapter 4's: the logits are the plain model's bit for bit on any CPU."""
     def forward(self, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                 need_weights: bool = False, is_causal: bool = False
                 ) -> tuple[Tensor, Tensor | None]:
@@ -357,8 +346,13 @@ def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
 
 
 def _limits(model: Transformer, src: torch.Tensor, extra_len: int) -> list[int]:
-    "Chapter 9's `output_limits`, after the searches' input checks."
-    _check_source(src, extra_len)
+    """Chapter 9's `output_limits`, after the searches' input checks: a non-empty (B, S)
+    tensor of ids, an int extra_len >= 0."""
+    if not isinstance(src, torch.Tensor) or src.dim() != 2 or 0 in src.shape:
+        got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
+        raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {got}")
+    if not is_int(extra_len) or extra_len < 0:
+        raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
     return output_limits(model, src, extra_len)
 
 
@@ -528,15 +522,6 @@ def _source_ids(model: Transformer, tokenizer: Tokenizer, texts: list[str],
                       f"max_len={limit} tokens were cut to that length", stacklevel=3)
         ids = [x if len(x) <= limit else x[:limit - 1] + [EOS] for x in ids]
     return ids
-
-
-def _check_source(src: torch.Tensor, extra_len: int) -> None:
-    "The searches' input checks: a non-empty (B, S) tensor of ids, an int extra_len >= 0."
-    if not isinstance(src, torch.Tensor) or src.dim() != 2 or 0 in src.shape:
-        got = tuple(src.shape) if isinstance(src, torch.Tensor) else type(src).__name__
-        raise ValueError(f"src must be a non-empty (B, S) tensor of token ids, got {got}")
-    if not is_int(extra_len) or extra_len < 0:
-        raise ValueError(f"extra_len={extra_len!r} must be an int >= 0")
 
 # %% ../../book/d_2_fast.ipynb #ev002
 def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],

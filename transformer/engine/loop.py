@@ -52,18 +52,11 @@ from transformer.engine.devices import (  # appendix F
 from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
 from ..model import Transformer, TransformerConfig
 from ..tokens import BOS, EOS, PAD, UNK, Tokenizer, token_batches
-from transformer.training import (
-    TrainConfig,
-    collate,
-    make_examples,
-    make_optimizer,
-    rate,
-    set_rate,
-)
+from ..training import TrainConfig, collate, make_examples, make_optimizer, rate, set_rate
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'target_tokens', 'train', 'my_pieces', 'bucket', 'merge_children',
-           'SubwordDropout', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
+__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'my_pieces', 'bucket', 'merge_children', 'SubwordDropout',
+           'average_checkpoints', 'averaging_windows', 'final_evaluation']
 
 # %% ../../book/e_2_loop.ipynb #c030
 @dataclass
@@ -84,8 +77,7 @@ class TrainResult:
 
     @property
     def tokens_per_second(self) -> float:
-        """Training throughput: target tokens per second of training, evaluation time
-        excluded."""
+        "Training throughput: target tokens per second of training, evaluation excluded."
         return self.tokens / max(self.train_seconds - self.eval_seconds, 1e-9)
 
 
@@ -123,31 +115,20 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     rank, world_size = world()
     was_training = model.training
     criterion = FastSeq2SeqLoss(model, epsilon).eval()
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # loss, NLL
-    n = 0                                                       # real target tokens
+    total = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, real targets
     pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
                            batch_tokens, shuffle=False)
     for piece in pieces[rank::world_size]:
+        src, tgt = collate(examples, piece, device)
         with precision.autocast():
-            loss, nll = criterion(*collate(examples, piece, device))
-        n += target_tokens(examples, [piece])
-        total += torch.stack([loss.double(), nll.double()])
+            loss, nll = criterion(src, tgt)
+        real = (tgt[:, 1:] != model.config.pad_id).sum()
+        total += torch.stack([loss.double(), nll.double(), real.double()])
     model.train(was_training)
-    loss, nll, n = all_sum(torch.cat([total, total.new_full((1,), n)])).tolist()
+    loss, nll, n = all_sum(total).tolist()
     return {"val_loss": loss / n, "val_nll": nll / n,
             "val_ppl": math.exp(min(nll / n, 50.0))}
 
-
-def target_tokens(examples, pieces) -> int:
-    "The real target tokens the loss counts in `pieces` (index lists): `BOS y EOS` less one."
-    if hasattr(examples, "tgt_lengths"):          # a prepared corpus: from its lengths
-        return sum(int(examples.tgt_lengths[p].sum()) - len(p) for p in pieces)
-    return sum(len(examples[i][1]) - 1 for piece in pieces for i in piece)
-
-
-def _round(record: dict) -> dict:
-    return {k: (float(f"{v:.6g}") if isinstance(v, float) else v)
-            for k, v in record.items()}
 
 # %% ../../book/e_2_loop.ipynb #c031
 def train(model: Transformer, train_examples, val_examples: list | None = None,
@@ -272,7 +253,7 @@ class _Loop:
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
             inductor_workarounds()  # appendix F
             if buckets:     # a static graph a bucket: let Dynamo keep one for every length
-                limit = getattr(model.config, "max_len", 1024) // buckets + 2
+                limit = model.config.max_len // buckets + 2
                 torch._dynamo.config.recompile_limit = max(
                     torch._dynamo.config.recompile_limit, limit)
             self.net = torch.compile(self.net, fullgraph=self.ddp is None,
@@ -330,7 +311,9 @@ class _Loop:
                              f"from {len(examples)} examples in "
                              f"{self.pieces} pieces; "
                              "lower accum_steps or use more data")
-        return examples, steps, [target_tokens(examples, s) for s in steps]
+        # the real target tokens of each step: `BOS y EOS` less one
+        lengths = examples.tgt_lengths
+        return examples, steps, [sum(int(lengths[p].sum()) - len(p) for p in s) for s in steps]
 
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
@@ -384,8 +367,9 @@ class _Loop:
                         self.snapshot()
                     if evaluate:
                         self.evaluate()
-                        if not done and self.no_time_after_eval():
-                            # the evaluation just made is the final one: no second a step later
+                        # no time for a step and the final evaluation at the cost just measured:
+                        # this evaluation is the final one, not a second one a step later
+                        if not done and self.agree(self.rank == 0 and self.late(1))[0]:
                             done, stopped = True, "max_minutes"
                             if c.keep_checkpoints and not snap:
                                 self.snapshot()         # the last snapshot is the last step
@@ -452,27 +436,32 @@ class _Loop:
     def should_stop(self) -> str | None:
         """"interrupted" (a signal), "max_minutes" or None. With several processes asked
         every `log_every` steps only, all together (one small all-reduce)."""
-        c = self.config
-        interrupted = self.stop.requested
         now, (then, evals) = self.clock(), self.tick
-        # what one more step (log_every of them between agreements with several
-        # processes) and the final evaluation would take, timed as the last ones took
         self.step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
         self.tick = (now, self.at["eval_seconds"])
-        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
+        if self.world_size > 1 and self.at["step"] % self.config.log_every:
+            return None
         # going on past a step that evaluates anyway costs that evaluation and the final
         # one; stopping there, only the one
-        evals = 2 if self.at["step"] % c.eval_every == 0 else 1
-        late = (c.max_minutes is not None and
-                now + reserve + evals * self.last_eval_seconds >= 60 * c.max_minutes)
-        if self.world_size > 1:
-            if self.at["step"] % c.log_every:
-                return None
-            flags = all_sum(torch.tensor(
-                [float(interrupted), float(late and self.rank == 0)],
-                device=self.device)).tolist()
-            interrupted, late = flags[0] > 0, flags[1] > 0
+        late = self.late(2 if self.at["step"] % self.config.eval_every == 0 else 1)
+        interrupted, late = self.agree(self.stop.requested, self.rank == 0 and late)
         return "interrupted" if interrupted else "max_minutes" if late else None
+
+    def late(self, evaluations: int) -> bool:
+        """Whether one more step (`log_every` of them between two agreements of several
+        processes) and `evaluations` evaluations, timed as the last ones took, would pass
+        `max_minutes`."""
+        c = self.config
+        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
+        return c.max_minutes is not None and (
+            self.clock() + reserve + evaluations * self.last_eval_seconds >= 60 * c.max_minutes)
+
+    def agree(self, *flags: bool) -> list[bool]:
+        "Each flag, true where it is true on any process (between several: one all-reduce)."
+        if self.world_size == 1:
+            return list(flags)
+        sums = all_sum(torch.tensor([float(f) for f in flags], device=self.device))
+        return [s > 0 for s in sums.tolist()]
 
     def evaluation_fits(self) -> bool:
         """Whether an evaluation due now keeps the evaluations within `eval_share` of the
@@ -483,26 +472,7 @@ class _Loop:
             return True
         spent, next_one = self.at["eval_seconds"], self.last_eval_seconds
         fits = spent + next_one <= self.eval_share * (self.clock() + next_one)
-        if self.world_size > 1:
-            fits = all_sum(torch.tensor([float(fits and self.rank == 0)],
-                                        device=self.device)).item() > 0
-        return fits
-
-    def no_time_after_eval(self) -> bool:
-        """Right after an evaluation that did not end the run: would one more step (or
-        `log_every` of them with several processes) and the final evaluation, at the cost
-        just measured, pass `max_minutes`? Then the run ends on this evaluation. Before the
-        first one `should_stop` cannot know what an evaluation costs; without this, a run
-        whose time runs out there would evaluate again one step later."""
-        c = self.config
-        if c.max_minutes is None:
-            return False
-        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
-        late = self.clock() + reserve + self.last_eval_seconds >= 60 * c.max_minutes
-        if self.world_size > 1:   # every process evaluates at this step: all agree here
-            late = all_sum(torch.tensor([float(late and self.rank == 0)],
-                                        device=self.device)).item() > 0
-        return late
+        return self.agree(self.rank == 0 and fits)[0]
 
     def read_window(self) -> tuple[float, float, float]:
         """Loss and NLL sums since the last log (all processes) and the last gradient
@@ -588,7 +558,7 @@ class _Loop:
             then=keep_the_last)
 
     def log(self, record: dict) -> None:
-        record = _round(record)
+        record = {k: float(f"{v:.6g}") if isinstance(v, float) else v for k, v in record.items()}
         self.history.append(record)
         if self.out is not None and self.rank == 0:
             with open(self.out / "metrics.jsonl", "a") as f:
@@ -602,11 +572,8 @@ def merge_children(tokenizer: Tokenizer) -> list[tuple[int, int] | None]:
     sp, children = tokenizer.sp, []
     known = lambda piece: (i := sp.piece_to_id(piece)) != UNK and not sp.is_control(i)
     for i in range(tokenizer.vocab_size):
-        piece = sp.id_to_piece(i)
-        symbols, last = list(piece), None
-        if sp.is_control(i) or sp.is_unknown(i) or len(piece) < 2:
-            children.append(None)
-            continue
+        special = sp.is_control(i) or sp.is_unknown(i)
+        symbols, last = [] if special else list(sp.id_to_piece(i)), None
         while len(symbols) > 1:
             # the adjacent pair whose merge is in the vocabulary with the best score
             j = max((j for j in range(len(symbols) - 1)
@@ -617,10 +584,9 @@ def merge_children(tokenizer: Tokenizer) -> list[tuple[int, int] | None]:
                 break
             last = (symbols[j], symbols[j + 1])
             symbols[j:j + 2] = [symbols[j] + symbols[j + 1]]
-        if len(symbols) > 1:   # the merges never make this piece: keep it whole
-            children.append(None)
-        else:
-            children.append((sp.piece_to_id(last[0]), sp.piece_to_id(last[1])))
+        # None for a special piece, a single character, or one the merges never make
+        made = last is not None and len(symbols) == 1
+        children.append((sp.piece_to_id(last[0]), sp.piece_to_id(last[1])) if made else None)
     return children
 
 
@@ -649,10 +615,7 @@ class SubwordDropout:
         self.limit = min(n for n in (max_len, max_tokens, math.inf) if n is not None)
         self.children = merge_children(tokenizer)
         # the merge tree as two arrays: the left and right child of every id (-1: none)
-        self.left, self.right = np.full((2, len(self.children)), -1, dtype=np.int64)
-        for i, pair in enumerate(self.children):
-            if pair is not None:
-                self.left[i], self.right[i] = pair
+        self.left, self.right = np.array([c or (-1, -1) for c in self.children], np.int64).T.copy()
         sides = [ids for pair in self.fixed for ids in pair]   # src, tgt, src, tgt, ...
         self._lengths = np.fromiter(map(len, sides), np.int64, len(sides))
         self._ids = np.fromiter(itertools.chain.from_iterable(sides), np.int64,
@@ -763,11 +726,10 @@ def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
     alphas = [alpha] if isinstance(alpha, (int, float)) else list(alpha)
     if beam_size == 1:
         alphas = alphas[:1]                   # greedy search has no length penalty
-    candidates = {}
     if (out / "best.pt").exists():
-        candidates["best"] = model_from_checkpoint(out / "best.pt", device)
+        candidates = {"best": model_from_checkpoint(out / "best.pt", device)}
     elif model is not None:
-        candidates["best"] = model.eval()
+        candidates = {"best": model.eval()}
     else:
         raise ValueError(f"{out} holds no best.pt and no model was given")
     snapshots, windows = sorted(out.glob("step-*.pt")), {}
