@@ -250,8 +250,7 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         "Bytes allocated for keys and values (0 before the first append)."
-        return 0 if self.k is None else (self.k.numel() * self.k.element_size()
-                                         + self.v.numel() * self.v.element_size())
+        return sum(t.nbytes for t in (self.k, self.v) if t is not None)
 
 
 def cached_attention(attn: MultiHeadAttention, query: torch.Tensor, kv: torch.Tensor,
@@ -420,9 +419,9 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
                ).masked_fill(~finish, -math.inf)                         # (B, 4K)
         now_best, at = now.max(-1)
         better = now_best > best
-        prefix = ys[(first_row + beam).gather(1, at[:, None] % top.size(1)).squeeze(1)]
-        last = torch.where(at >= top.size(1), token.gather(
-            1, at[:, None] % top.size(1)).squeeze(1), pad)  # an EOS is not kept
+        j = at[:, None] % top.size(1)                                    # (B, 1) its extension
+        prefix = ys[(first_row + beam).gather(1, j).squeeze(1)]
+        last = torch.where(at >= top.size(1), token.gather(1, j).squeeze(1), pad)  # an EOS is not kept
         best_ys[:, :t + 1] = torch.where(
             better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
             best_ys[:, :t + 1])
@@ -527,7 +526,7 @@ def _source_ids(model: Transformer, tokenizer: Tokenizer, texts: list[str],
 def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
                   beam_size: int = 4, alpha: float = 0.6, batch_size: int | None = None
                   ) -> Callable[[Transformer, int], dict]:
-    """An `on_eval(model, step)` for `training.train` that adds bleu, bleu_lc_tok and
+    """An `on_eval(model, step)` for `engine.loop.train` that adds bleu, bleu_lc_tok and
     chrf on `pairs`. With several processes (DDP) each translates a share, and every
     process scores them all (appendix F): none waits for another to translate. The
     sources are tokenized and checked once, at the first evaluation, not at every one.

@@ -318,12 +318,11 @@ class _Loop:
     def tensors(self, item) -> list[torch.Tensor]:
         "This process's pieces of a step: [src, tgt, src, tgt, ...] on the CPU."
         examples, mine = item[-2], my_pieces(item[-1], self.rank, self.world_size)
-        tensors = [t for piece in mine for t in examples.collate(piece)]
+        pairs = [examples.collate(piece) for piece in mine]
         if self.buckets:     # for the compiled step's static graphs (see `bucket`)
             budget = self.config.batch_tokens // self.pieces
-            tensors = [t for pair in zip(tensors[::2], tensors[1::2])
-                       for t in bucket(*pair, budget, self.buckets)]
-        return tensors
+            pairs = [bucket(*pair, budget, self.buckets) for pair in pairs]
+        return [t for pair in pairs for t in pair]
 
     def run(self, resume: bool) -> TrainResult:
         "Steps until `max_steps`, `max_minutes` or a signal; evaluations between."
