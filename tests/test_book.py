@@ -94,8 +94,8 @@ def browser() -> str:
 CHART_PAGES = [c for c in CHAPTERS if _chart_specs(ROOT / f"{c}.ipynb")]
 
 
-def test_math_renders_offline(chromes, built_book):   # the browser first: no browser, no book build
-    dom, _ = _render_logged(chromes("light"), built_book / "book" / "00_why_attention.html")
+def test_math_renders_offline(rendered, built_book):   # the browser first: no browser, no book build
+    dom, _ = rendered(built_book / "book" / "00_why_attention.html", "light", keep=True)   # its every-page check reads it too
     n_math = dom.count('class="math')
     assert n_math > 5, "expected displayed and inline math on the chapter page"
     assert dom.count("<mjx-container") >= n_math, "MathJax did not typeset every formula (is _static/mathjax there?)"
@@ -127,52 +127,82 @@ def _messages(events: list[dict]) -> list[str]:
     return out
 
 
+# The window the pages open in: as wide as before (the theme's layout and the charts' widths follow the
+# width), a fifth as tall. Nothing here looks at pixels, and the software compositor drew every frame of
+# a loading page over the whole window (about a third of Chromium's CPU per page at 1280x1600).
+WINDOW = ["--window-size=1280,400"]
+
+
 @pytest.fixture(scope="module")
 def chromes(browser, tmp_path_factory):
-    """One headless Chromium per theme mode, kept open for every page of this file (tests/web_browser.py's
-    DevTools driver; the dark one runs with --force-dark-mode): {mode: Chrome}, started on first use.
-    One browser opening 42 pages, where a browser a page started 84."""
+    """One headless Chromium for every page of this file, in either theme mode (tests/web_browser.py's
+    DevTools driver): chromes(mode) is that browser, its pages seeing `prefers-color-scheme: mode` from
+    their first byte on (DevTools' media emulation: what --force-dark-mode gave a second browser, which
+    the theme's auto mode follows). Started on first use; one browser for every page and both modes."""
     from web_browser import Chrome
-    started = {}
+    started, scheme = [], [None]
 
     def get(mode: str):
-        if mode not in started:
-            started[mode] = Chrome(browser, tmp_path_factory.mktemp(f"chrome-{mode}"),
-                                   ["--force-dark-mode"] if mode == "dark" else [])
-            started[mode].call("Log.enable")
-        return started[mode]
+        assert mode in ("light", "dark"), mode
+        if not started:
+            started.append(Chrome(browser, tmp_path_factory.mktemp("chrome"), WINDOW))
+            started[0].call("Log.enable")
+        if scheme[0] != mode:
+            started[0].call("Emulation.setEmulatedMedia", {"features": [{"name": "prefers-color-scheme", "value": mode}]})
+            scheme[0] = mode
+        return started[0]
     yield get
-    for chrome in started.values():
+    for chrome in started:
         chrome.close()
 
 
+@pytest.fixture(scope="module")
+def rendered(chromes):
+    """_render_logged(chromes(mode), page) as rendered(page, mode); one asked for with keep=True is kept for
+    the next reader of the same page and mode, who takes it (the math check's page is also a page of the
+    every-page check: one load of it for both)."""
+    kept = {}
+
+    def get(page: Path, mode: str, keep: bool = False) -> tuple[str, list[str]]:
+        if (page, mode) in kept:
+            return kept.pop((page, mode))
+        result = _render_logged(chromes(mode), page)
+        if keep:
+            kept[page, mode] = result
+        return result
+    return get
+
+
 def _render_logged(chrome, page: Path, timeout: float = 30) -> tuple[str, list[str]]:
-    """The page's DOM once it settled (SETTLED, or `timeout` seconds: the asserts then say what did not
-    happen), and the messages its JavaScript logged or the browser logged for it: every message from the
-    navigation on (no detour through about:blank, which cost a navigation per page and dropped what the
-    previous page still logged; here such a message would count against this page, never be lost)."""
+    """The page's DOM once it settled (SETTLED, polled in the page; or `timeout` seconds: the asserts then
+    say what did not happen), and the messages its JavaScript logged or the browser logged for it: every
+    message from the navigation on (no detour through about:blank, which cost a navigation per page and
+    dropped what the previous page still logged; here such a message would count against this page, never
+    be lost)."""
     mark = len(chrome.events)
     chrome.open(page.as_uri())
-    try:
-        chrome.wait_for(SETTLED, bool, timeout=timeout)
-    except TimeoutError:
-        pass
+    chrome.settle(SETTLED, timeout=timeout)
     dom = chrome.evaluate("document.documentElement.outerHTML")
     chrome.evaluate("1")                                  # the events that arrived meanwhile
     return dom, _messages(chrome.events[mark:])
 
 
-def test_the_browser_check_sees_errors_failed_loads_and_unfinished_charts(chromes, tmp_path):
-    "The check below on a page that fails each way: it must see every failure (planted)."
+@pytest.mark.parametrize("mode", ["light", "dark"])
+def test_the_browser_check_sees_errors_failed_loads_and_unfinished_charts(chromes, tmp_path, mode):
+    """The check below on a page that fails each way, in either mode: it must see every failure (planted),
+    and the page saw the mode's colour scheme while it loaded, not after."""
     page = tmp_path / "bad.html"
     page.write_text('<html><body><script src="missing.js"></script>'
+                    '<script>document.body.dataset.scheme = matchMedia("(prefers-color-scheme: dark)").matches'
+                    ' ? "dark" : "light"</script>'
                     '<script>console.error("Error: planted"); throw new Error("thrown on purpose")</script>'
                     '<div id="vis-x" class="book-chart">no chart</div><script>1</script></body></html>')
-    dom, console = _render_logged(chromes("light"), page, timeout=2)
+    dom, console = _render_logged(chromes(mode), page, timeout=2)
     assert any("Uncaught" in m and "thrown on purpose" in m for m in console), console
     assert any("Error: planted" in m for m in console), console
     assert any("missing.js" in m for m in console), console
     assert "<svg" not in dom and "no chart" in dom
+    assert f'data-scheme="{mode}"' in dom, dom[:300]
 
 
 PAGES = ["book/index", *CHAPTERS, API_PAGE]
@@ -184,12 +214,12 @@ DARK = ["book/index", CHART_PAGES[0], API_PAGE]
 
 
 @pytest.mark.parametrize(("page", "mode"), [(p, "light") for p in PAGES] + [(p, "dark") for p in DARK])
-def test_every_page_in_a_browser(chromes, built_book, page, mode):
+def test_every_page_in_a_browser(rendered, built_book, page, mode):
     """Every page, offline, in the theme's light mode, and each kind of page in its dark mode too:
     no script that failed to load, no JavaScript error, every chart rendered, every formula typeset,
     every image there; in dark mode the theme switched and the charts sit on an opaque light card."""
     html_path = built_book / f"{page}.html"
-    dom, console = _render_logged(chromes(mode), html_path)
+    dom, console = rendered(html_path, mode)
     assert "Error loading script" not in dom
     errors = [m for m in console if "Uncaught" in m or "Error" in m or "Failed to load" in m]
     assert not errors, f"{page} ({mode}): JavaScript errors {errors}"

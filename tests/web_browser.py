@@ -95,40 +95,60 @@ class Chrome:
         # (0.4 s of CPU for a 1.5 MB page's DOM) before recv() decodes it, which rejects bad UTF-8 anyway
         self.ws = websocket.create_connection(pages[0]["webSocketDebuggerUrl"], timeout=timeout, suppress_origin=True,
                                               skip_utf8_validation=True)
-        self.next_id, self.events = 0, []
+        self.next_id, self.events, self.timeout = 0, [], timeout
         for domain in ("Page", "Runtime", "Network"):
             self.call(f"{domain}.enable")
         self.call("Network.setCacheDisabled", {"cacheDisabled": True})
 
-    def call(self, method: str, params: dict | None = None) -> dict:
+    def call(self, method: str, params: dict | None = None, timeout: float | None = None) -> dict:
+        "Send a command and return its result (waiting up to `timeout` s for it, the connection's timeout if None)."
         self.next_id += 1
         self.ws.send(json.dumps({"id": self.next_id, "method": method, "params": params or {}}))
-        while True:
-            message = json.loads(self.ws.recv())
-            if message.get("id") == self.next_id:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message["result"]
-            if "method" in message:
-                self.events.append(message)
+        if timeout is not None:
+            self.ws.settimeout(timeout)
+        try:
+            while True:
+                message = json.loads(self.ws.recv())
+                if message.get("id") == self.next_id:
+                    if "error" in message:
+                        raise RuntimeError(f"{method}: {message['error']}")
+                    return message["result"]
+                if "method" in message:
+                    self.events.append(message)
+        finally:
+            if timeout is not None:
+                self.ws.settimeout(self.timeout)
 
-    def evaluate(self, expression: str):
-        "The value of a JavaScript expression in the page (awaited if a promise)."
-        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True})
+    def evaluate(self, expression: str, timeout: float | None = None):
+        "The value of a JavaScript expression in the page (awaited if a promise, up to `timeout` s)."
+        result = self.call("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True},
+                           timeout)
         if "exceptionDetails" in result:
             raise RuntimeError(f"{expression}: {result['exceptionDetails']}")
         return result["result"].get("value")
 
     def open(self, url: str, timeout: float = 60) -> None:
-        "Navigate and wait for the load event."
-        start = len(self.events)
+        """Navigate and wait for the load event: blocked on the connection until it arrives (no polling:
+        a command every 20 ms cost the browser a DevTools round trip each while the page loaded)."""
+        seen = len(self.events)
         self.call("Page.navigate", {"url": url})
         deadline = time.monotonic() + timeout
-        while not any(e["method"] == "Page.loadEventFired" for e in self.events[start:]):
-            if time.monotonic() > deadline:
+        while True:
+            if any(e["method"] == "Page.loadEventFired" for e in self.events[seen:]):
+                return
+            seen = len(self.events)
+            left = deadline - time.monotonic()
+            if left <= 0:
                 raise TimeoutError(f"{url} did not load in {timeout} s")
-            time.sleep(0.02)
-            self.evaluate("1")  # reads the events that arrived meanwhile
+            self.ws.settimeout(left)
+            try:
+                message = json.loads(self.ws.recv())
+            except websocket.WebSocketTimeoutException:
+                continue
+            finally:
+                self.ws.settimeout(self.timeout)
+            if "method" in message:
+                self.events.append(message)
 
     def wait_for(self, expression: str, done, timeout: float = 120, every: float = 0.05):
         "Poll `expression` until done(value); return the value."
@@ -140,6 +160,19 @@ class Chrome:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{expression} is still {value!r} after {timeout} s")
             time.sleep(every)
+
+    def settle(self, expression: str, timeout: float = 30, every: float = 0.05) -> bool:
+        """Poll the JavaScript `expression` inside the page (a timer there, one DevTools command in all)
+        until it is truthy or `timeout` seconds passed: whether it became true. An exception in it is raised."""
+        return self.evaluate(f"""new Promise((resolve, reject) => {{
+            const end = performance.now() + {timeout * 1000};
+            const poll = () => {{
+                let value;
+                try {{ value = ({expression}); }} catch (e) {{ reject(e); return; }}
+                if (value || performance.now() >= end) resolve(Boolean(value));
+                else setTimeout(poll, {every * 1000});
+            }};
+            poll(); }})""", timeout=timeout + self.timeout)
 
     def requests(self, since: int = 0) -> list[str]:
         "The URLs the page asked for (events from index `since` on)."
