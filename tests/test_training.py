@@ -875,6 +875,8 @@ def test_bucket_pads_a_batch_to_its_buckets_shape_with_pairs_that_carry_no_targe
     assert torch.equal(s[:2, :3], src) and torch.equal(t[:2, :5], tgt)
     assert (s[:2, 3:] == PAD).all() and (t[:2, 5:] == PAD).all()
     assert (s[2:, 0] == EOS).all() and (t[2:, 0] == BOS).all() and (s[2:, 1:] == PAD).all() and (t[2:, 1:] == PAD).all()
+    s, t = bucket(src, tgt, budget=40, multiple=4, max_len=6)     # never past the model's positions
+    assert s.shape == t.shape == (8, 6) and torch.equal(t[:2, :5], tgt)
     with pytest.raises(ValueError, match="does not fit a budget of 39 slots"):
         bucket(torch.full((9, 3), 5), tgt, budget=39, multiple=4)   # 9 rows > 39 // 5
 

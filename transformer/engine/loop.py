@@ -204,16 +204,17 @@ def my_pieces(step_pieces: list[list[int]], rank: int = 0,
     return step_pieces[rank::world_size]
 
 
-def bucket(src: torch.Tensor, tgt: torch.Tensor, budget: int, multiple: int
-           ) -> tuple[torch.Tensor, torch.Tensor]:
+def bucket(src: torch.Tensor, tgt: torch.Tensor, budget: int, multiple: int,
+           max_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch padded to the shape `(rows, L)` of its bucket, both sides: `L` is its longer
     side rounded up to a multiple of `multiple`, `rows` the most sentences chapter 1's
     batcher puts in a batch of `budget` slots whose longest pair is longer than
-    `L - multiple`. A compiled step then meets one shape per bucket. The added rows are
-    one-token pairs (EOS; BOS) whose targets are all padding: they add nothing to the
-    loss or to any gradient."""
+    `L - multiple`, `L` at most the model's `max_len`. A compiled step then meets one
+    shape per bucket. The added rows are one-token pairs (EOS; BOS) whose targets are all
+    padding: they add nothing to the loss or to any gradient."""
     length = -(-max(src.shape[1], tgt.shape[1]) // multiple) * multiple
     rows = budget // (length - multiple + 1)
+    length = min(length, max_len or length)      # no position past the model's table
     if src.shape[0] > rows:
         raise ValueError(f"a batch of {src.shape[0]} sentences up to {length} tokens long "
                          f"does not fit a budget of {budget} slots: not chapter 1's batches")
@@ -321,7 +322,8 @@ class _Loop:
         pairs = [examples.collate(piece) for piece in mine]
         if self.buckets:     # for the compiled step's static graphs (see `bucket`)
             budget = self.config.batch_tokens // self.pieces
-            pairs = [bucket(*pair, budget, self.buckets) for pair in pairs]
+            pairs = [bucket(*pair, budget, self.buckets, self.model.config.max_len)
+                     for pair in pairs]
         return [t for pair in pairs for t in pair]
 
     def run(self, resume: bool) -> TrainResult:
