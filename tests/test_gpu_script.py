@@ -33,6 +33,7 @@ def test_the_dry_run_writes_every_section(tmp_path):
     assert "--preset small" in record["train_small"]["command"]
     assert record["train_small"]["gpu_busy"] == {"skipped": "dry run (no GPU)"}
     assert record["train_small"]["curve"]["train_seconds_step_tokens_per_s"] == []
+    assert [row["met"] for row in record["targets"]] == [None] * len(gpu.TARGETS)   # nothing measured
 
 
 def test_without_a_gpu_the_real_run_refuses_in_one_line():
@@ -76,3 +77,14 @@ def test_training_curve_reads_metrics(tmp_path):
     assert curve["best_window_tokens_per_s"] == 3000.0
     assert curve["evaluations"] == [{"step": 100, "seconds": 8.0, "val_loss": 4.0, "bleu_lc_tok": 12.5}]
     assert gpu.training_curve(tmp_path / "absent.jsonl")["best_window_tokens_per_s"] is None
+
+
+
+def test_targets_set_each_goal_beside_what_the_run_measured():
+    record = {"train_small": {"gpu_busy": {"sm_busy_mean_percent": 93.4}, "results": {"bleu_lc_tok": 38.2}},
+              "bench_base_compiled": {"result": {"flops": {"mfu": {"ours": 0.412, "nn": 0.3}},
+                                                 "speedup_vs_nn": 1.31}},
+              "bench_base_eager": {"skipped": "dry run (no GPU)"}}
+    assert [(r["measured"], r["goal"], r["met"]) for r in gpu.targets(record)] == [
+        (93.4, 90, True), (41.2, 35, True), (1.31, 1.5, False), (38.2, 40, False)]
+    assert [r["met"] for r in gpu.targets({"train_small": {"exit_code": 1}})] == [None] * 4   # a failed step
