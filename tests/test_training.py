@@ -846,9 +846,10 @@ def test_the_training_step_compiles_into_one_graph_with_no_break():
     assert 1 <= len(graphs) <= 2 and not counters["graph_break"]
 
 
-@pytest.mark.slow
-def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_path):
-    "train(compile=True) over batches of many shapes: the batch and length dims are dynamic, one graph."
+@pytest.fixture
+def counted_compile(monkeypatch):
+    """torch.compile with the counting backend, from a clean Dynamo: (the graphs it was handed, Dynamo's
+    counters)."""
     import functools
 
     from torch._dynamo.utils import counters
@@ -856,6 +857,13 @@ def test_a_compiled_run_compiles_a_bounded_number_of_graphs(monkeypatch, tmp_pat
     counters.clear()
     graphs = []
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting_backend(graphs)))
+    return graphs, counters
+
+
+@pytest.mark.slow
+def test_a_compiled_run_compiles_a_bounded_number_of_graphs(counted_compile, tmp_path):
+    "train(compile=True) over batches of many shapes: the batch and length dims are dynamic, one graph."
+    graphs, counters = counted_compile
     torch.manual_seed(0)
     examples = copy_examples(300, lo=2, hi=14)
     result = train(Transformer(tiny_config(0.1, n_layers=1)), examples, None, quick(max_steps=12, compile=True),
@@ -907,17 +915,10 @@ def test_a_bucketed_batch_gives_the_loss_and_the_gradients_of_the_batch_itself(f
 
 
 @pytest.mark.slow
-def test_a_bucketed_run_compiles_one_static_graph_per_bucket_and_no_more(monkeypatch, tmp_path):
+def test_a_bucketed_run_compiles_one_static_graph_per_bucket_and_no_more(counted_compile, tmp_path):
     "train(compile=True, buckets=4) over two epochs: as many graphs as bucket shapes met, each compiled once."
-    import functools
-
-    from torch._dynamo.utils import counters
-
     from transformer.engine.loop import bucket
-    torch._dynamo.reset()
-    counters.clear()
-    graphs = []
-    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend=counting_backend(graphs)))
+    graphs, counters = counted_compile
     torch.manual_seed(0)
     examples = copy_examples(120, lo=2, hi=14)
     per_epoch = len(epoch_batches(examples, 512, 0, 0))
