@@ -1,4 +1,4 @@
-"""Appendix C, cli.py: `python -m transformer train|translate|evaluate`, end to end on Multi30k, and every bad input."""
+"""Appendix C, the command line (transformer/cli/): `python -m transformer train|translate|evaluate`, end to end on Multi30k, and every bad input."""
 import contextlib
 import io
 import json

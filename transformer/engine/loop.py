@@ -742,20 +742,22 @@ def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
     grid = [(name, a, evaluate(m, tokenizer, val_pairs, beam_size=beam_size, alpha=a))
             for name, m in candidates.items() for a in alphas]
     name, chosen_alpha, _ = max(grid, key=lambda row: row[2]["bleu"])  # first wins a tie
-    if windows:                               # the window best on val, whatever won
-        n = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w))
-        save_checkpoint(out / "averaged.pt", candidates[n],
-                        progress=windows[n]["progress"], run=run)
+    # the window best on val, whatever won, is kept as averaged.pt
+    window = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w),
+                 default=None)
+    if window is not None:
+        save_checkpoint(out / "averaged.pt", candidates[window],
+                        progress=windows[window]["progress"], run=run)
     best = candidates[name]
     on_val = {("best" if c == "best" else "averaged"): s for c, a, s in grid
-              if a == chosen_alpha and (c == "best" or c == n)}
+              if a == chosen_alpha and c in ("best", window)}
     val = on_val["best" if name == "best" else "averaged"]
     test = val if test_pairs is None else evaluate(
         best, tokenizer, test_pairs, beam_size=beam_size, alpha=chosen_alpha)
     greedy = test if beam_size == 1 else evaluate(
         best, tokenizer, val_pairs if test_pairs is None else test_pairs, beam_size=1)
     return {"checkpoint": "best" if name == "best" else "averaged",
-            "averaged": windows[n]["progress"]["averaged"] if windows else [],
+            "averaged": windows[window]["progress"]["averaged"] if windows else [],
             "alpha": chosen_alpha, "val_by_checkpoint": on_val,
             "val_grid": [{"snapshots": 0 if c == "best" else c, "alpha": a, **s}
                          for c, a, s in grid],
