@@ -34,7 +34,7 @@ def _warm_kernels(config) -> None:
     environment variable TRANSFORMER_COLD_KERNELS=1 turns it off. The zygote starts with the first
     notebook of this process and stops with it."""
     if sys.platform != "linux" or os.environ.get("TRANSFORMER_COLD_KERNELS") \
-            or not (config.option.nbval or config.option.nbval_lax):
+            or not (getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False)):
         return
     import atexit
 
