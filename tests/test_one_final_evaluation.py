@@ -122,3 +122,20 @@ def test_an_eval_share_outside_0_1_is_refused(tmp_path, share):
     with pytest.raises(ValueError, match="eval_share=.* must lie between 0 and 1"):
         train(Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1)),
               examples(4), None, TrainConfig(max_steps=1), eval_share=share)
+
+
+def test_a_compiling_step_is_not_taken_for_the_pace(tmp_path, evaluations, monkeypatch):
+    """Budget 60 s; the first step takes 31 s (compiling, as `train --compile` on an H200 did: 44 s) and step 12
+    6 s (a recompile). The loop reserves the fastest of the latest steps (1 s), so it trains on to step 14
+    (54 s + 1 + 5 = 60 stops there) and ends at 59 s. Timed by the last step, it stopped after step 1."""
+    timed = loop._Loop.step
+
+    def compiling(self, *args):
+        evaluations.clock[0] += {0: 30.0, 11: 5.0}.get(self.at["step"], 0.0)
+        return timed(self, *args)
+
+    monkeypatch.setattr(loop._Loop, "step", compiling)
+    result, calls = evaluations(tmp_path, max_minutes=1.0)
+    assert result.stopped == "max_minutes" and result.step == 14
+    assert calls == [10, 14]
+    assert evaluations.clock[0] == 59.0

@@ -9,6 +9,7 @@ import math
 import os
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -265,7 +266,8 @@ class _Loop:
         self.writer = CheckpointWriter()   # appendix E: checkpoints written in the background
         self.last_eval_seconds = 0.0                 # the latest evaluation's time
         self.eval_share, self.evaluated = eval_share, False   # evaluations' time share
-        self.step_seconds = 0.0                      # the latest step's time
+        # the latest steps' times; a session's first step (compiling, autotuning) left out
+        self.step_times = deque(maxlen=32)
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
         # went non-finite, and the first of them (step, loss sum, gradient norm)
@@ -337,6 +339,7 @@ class _Loop:
         start, before = time.perf_counter(), self.at["seconds"]
         self.clock = lambda: before + time.perf_counter() - start
         self.tick = (self.clock(), self.at["eval_seconds"])   # for the next step's time
+        self.first = self.at["step"] + 1                       # this session's first step
         self.window_start = (self.at["tokens"], time.perf_counter())
         bar = tqdm(total=c.max_steps, initial=self.at["step"], unit="step",
                    dynamic_ncols=True, disable=not self.progress, file=sys.stderr)
@@ -438,7 +441,8 @@ class _Loop:
         """"interrupted" (a signal), "max_minutes" or None. With several processes asked
         every `log_every` steps only, all together (one small all-reduce)."""
         now, (then, evals) = self.clock(), self.tick
-        self.step_seconds = max(now - then - (self.at["eval_seconds"] - evals), 0.0)
+        if self.at["step"] > self.first:
+            self.step_times.append(max(now - then - (self.at["eval_seconds"] - evals), 0.0))
         self.tick = (now, self.at["eval_seconds"])
         if self.world_size > 1 and self.at["step"] % self.config.log_every:
             return None
@@ -453,7 +457,8 @@ class _Loop:
         processes) and `evaluations` evaluations, timed as the last ones took, would pass
         `max_minutes`."""
         c = self.config
-        reserve = self.step_seconds * (c.log_every if self.world_size > 1 else 1)
+        # a step is the fastest of the latest ones: a compiling step is not the pace
+        reserve = min(self.step_times, default=0.0) * (c.log_every if self.world_size > 1 else 1)
         return c.max_minutes is not None and (
             self.clock() + reserve + evaluations * self.last_eval_seconds >= 60 * c.max_minutes)
 
