@@ -458,14 +458,27 @@ def test_read_metrics_drops_a_cut_last_line_and_names_a_damaged_one(tmp_path):
         read_metrics(path)
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small", "base", "big"])
-def test_model_bytes_bounds_the_real_model(preset):
-    "model_bytes is an upper bound of the real parameters + buffers, and not a loose one."
-    config = TransformerConfig.preset(preset, src_vocab=8000, tgt_vocab=8000)
+def meta_bytes(config):
+    "float32 bytes of the parameters and buffers of the whole model, built on the meta device."
+    from transformer.engine.checkpoints import build_model
     with torch.device("meta"):
-        model = Transformer(config)
-    real = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
-    assert real <= model_bytes(config) <= 2 * real
+        model = build_model(config)
+    return 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
+
+
+@pytest.mark.parametrize("preset", ["tiny", "small", "base", "big"])
+def test_model_bytes_is_the_real_models_size(preset):
+    "model_bytes, from one layer and two, is the whole model's parameters + buffers, for every preset."
+    config = TransformerConfig.preset(preset, src_vocab=8000, tgt_vocab=7000, n_layers=5)
+    assert model_bytes(config) == meta_bytes(config)
+
+
+def test_model_bytes_of_decoder_only_models():
+    "Chapter 19.1's models (imported only for them) are counted the same way."
+    from transformer.modern.gpt import DecoderOnlyConfig
+    for arch in ("decoder-only", "prefix-lm"):
+        config = DecoderOnlyConfig.preset("small", src_vocab=900, tgt_vocab=900, arch=arch, n_layers=7)
+        assert model_bytes(config) == meta_bytes(config)
 
 
 def test_check_resumable_reads_a_checkpoint_from_before_the_shape_fields(tmp_path):
@@ -490,13 +503,10 @@ def test_check_resumable_reads_a_checkpoint_from_before_the_shape_fields(tmp_pat
 
 @pytest.mark.parametrize("d_k", [None, 8, 64, 256])
 @pytest.mark.parametrize("positions", ["sinusoidal", "learned", "none"])
-def test_model_bytes_bounds_every_variant(d_k, positions):
-    "Still an upper bound (not a loose one) when W^Q, W^K are h * d_k wide (Table 3, row B) and positions vary."
-    config = TransformerConfig.preset("tiny", src_vocab=8000, tgt_vocab=8000, d_k=d_k, positions=positions)
-    with torch.device("meta"):
-        model = Transformer(config)
-    real = 4 * (sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers()))
-    assert real <= model_bytes(config) <= 2 * real
+def test_model_bytes_of_every_variant(d_k, positions):
+    "Exact too when W^Q, W^K are h * d_k wide (Table 3, row B) and positions vary."
+    config = TransformerConfig.preset("tiny", src_vocab=8000, tgt_vocab=8000, d_k=d_k, positions=positions, n_layers=3)
+    assert model_bytes(config) == meta_bytes(config)
 
 
 def test_model_from_checkpoint_refuses_nan_and_huge(tmp_path):

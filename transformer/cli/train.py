@@ -34,13 +34,19 @@ from transformer.cli.commands import (
     sigterm_as_interrupt,
 )
 from ..data import sha256_file
-from ..engine.checkpoints import load_checkpoint, read_metrics, run_lock, write_json
+from transformer.engine.checkpoints import (
+    build_model,
+    load_checkpoint,
+    read_metrics,
+    run_lock,
+    write_json,
+)
 from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
 from ..engine.devices import init_distributed, pick_device
 from ..engine.fast import bleu_callback
 from ..engine.loop import SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
-from ..model import Transformer, TransformerConfig
+from ..model import TransformerConfig
 from ..tokens import Tokenizer
 from ..training import TrainConfig, make_examples
 
@@ -134,14 +140,6 @@ def _arch(arch: str | None) -> None:
      "registered for `TransformerConfig.preset` and `from_dict`) for them alone.")
     if arch not in (None, "encoder-decoder"):
         import transformer.modern.gpt  # noqa: F401
-
-
-def _build(config: TransformerConfig):
-    "Chapter 7.1's `Transformer`, or chapter 19.1's decoder-only model for its config."
-    if getattr(config, "arch", "encoder-decoder") == "encoder-decoder":
-        return Transformer(config)
-    from transformer.modern.gpt import build_model
-    return build_model(config)
 
 
 def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
@@ -289,7 +287,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     # now: the files may change while a long run goes on
     facts = provenance()
     torch.manual_seed(train_config.seed)
-    model = _build(model_config).to(device)
+    model = build_model(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
     say(f"{'resuming' if args.resume else 'training'} {args.preset} "
         f"({model.num_parameters():,} parameters, "

@@ -12,7 +12,7 @@ import textwrap
 import threading
 import warnings
 import zipfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -25,7 +25,7 @@ from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['CHECKPOINT_FORMAT', 'CheckpointError', 'SaveError', 'atomic_write', 'write_json', 'save_checkpoint',
-           'checkpoint_state', 'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'model_bytes',
+           'checkpoint_state', 'write_checkpoint', 'load_checkpoint', 'strip_prefixes', 'build_model', 'model_bytes',
            'read_model_config', 'model_from_checkpoint', 'host_copy', 'CheckpointWriter', 'TrainingError',
            'read_metrics', 'truncate_metrics', 'check_resumable', 'load_optimizer_state']
 
@@ -213,19 +213,24 @@ def _memory_bytes() -> int | None:
         return None
 
 
-def model_bytes(config: TransformerConfig) -> int:
-    """Bytes of the float32 parameters and buffers of a `Transformer(config)`: an upper
-    bound, computed, not built."""
-    d, f, n = config.d_model, config.d_ff, config.n_layers
-    qk = config.h * (config.d_k or d // config.h)  # width of W^Q and W^K (Table 3, row B)
-    attention, ffn, norm = 2 * (d * qk + qk) + 2 * (d * d + d), 2 * d * f + f + d, 2 * d
-    layers = (n * (attention + ffn + 2 * norm) + n * (2 * attention + ffn + 3 * norm)
-              + 2 * norm)
-    vocab = (max(config.src_vocab, config.tgt_vocab) if config.tie_embeddings
-             else config.src_vocab + 2 * config.tgt_vocab)
-    # embeddings (+ generator), its bias, PE
-    tables = vocab * d + config.tgt_vocab + config.max_len * d
-    return 4 * (layers + tables)
+def build_model(config) -> nn.Module:
+    "The model a config describes: chapter 7.1's `Transformer`, or chapter 19.1's `DecoderOnly`."
+    if type(config) is TransformerConfig:
+        return Transformer(config)
+    from transformer.modern.gpt import DecoderOnly  # imported only when one is loaded
+    return DecoderOnly(config)
+
+
+def model_bytes(config) -> int:
+    """Bytes of the float32 parameters and buffers of `build_model(config)`, counted on the
+    model itself built on the meta device (no memory), with one layer and with two: every
+    layer is the same size, so a damaged config of thousands of layers is never built."""
+    def size(n: int) -> int:
+        with torch.device("meta"):
+            model = build_model(replace(config, n_layers=n))
+        return 4 * sum(t.numel() for t in (*model.parameters(), *model.buffers()))
+    one = size(1)
+    return one + (config.n_layers - 1) * (size(2) - one)
 
 
 def _check_tensors(weights: dict, model: nn.Module, name: str) -> None:
@@ -290,11 +295,7 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
                 f"{name} holds NaN or infinite weights ({bad}): "
                 f"the run diverged or the file is damaged; "
                 f"use another checkpoint (--checkpoint best, last or averaged)")
-        if type(config) is TransformerConfig:
-            model = Transformer(config)
-        else:  # chapter 19.1's decoder-only models, imported only when one is loaded
-            from transformer.modern.gpt import DecoderOnly
-            model = DecoderOnly(config)
+        model = build_model(config)
         _check_tensors(weights, model, name)
         model.load_state_dict(weights)
     except CheckpointError:
