@@ -139,3 +139,26 @@ def test_a_compiling_step_is_not_taken_for_the_pace(tmp_path, evaluations, monke
     assert result.stopped == "max_minutes" and result.step == 14
     assert calls == [10, 14]
     assert evaluations.clock[0] == 59.0
+
+
+def test_each_train_record_splits_its_time_between_batches_steps_and_the_device(tmp_path, evaluations, monkeypatch):
+    """On the fake clock a step takes 1 s, a batch 0.5 s to make and the log's read of the device 0.25 s: each
+    record of 5 steps (log_every) says 2.5 s waiting for batches, 5 s in steps, 0.25 s waiting for the device, the
+    split a GPU run needs to tell a starved GPU (batches), a busy host (steps) and a busy GPU (device) apart."""
+    tensors, read = loop._Loop.tensors, loop._Loop.read_window
+
+    def slow_tensors(self, item):
+        evaluations.clock[0] += 0.5
+        return tensors(self, item)
+
+    def slow_read(self):
+        evaluations.clock[0] += 0.25
+        return read(self)
+
+    monkeypatch.setattr(loop._Loop, "tensors", slow_tensors)
+    monkeypatch.setattr(loop._Loop, "read_window", slow_read)
+    result, _ = evaluations(tmp_path, max_steps=20)
+    records = [r for r in result.history if r["kind"] == "train"]
+    assert [r["step"] for r in records] == [5, 10, 15, 20]
+    for r in records:
+        assert (r["batch_wait_seconds"], r["step_seconds"], r["device_wait_seconds"]) == (2.5, 5.0, 0.25)

@@ -268,6 +268,9 @@ class _Loop:
         self.eval_share, self.evaluated = eval_share, False   # evaluations' time share
         # the latest steps' times; a session's first step (compiling, autotuning) left out
         self.step_times = deque(maxlen=32)
+        # this log window's seconds waiting for batches, and in `step` (on a GPU the host's
+        # work: the device runs behind it, and the log's read waits for it to catch up)
+        self.host = [0.0, 0.0]
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
         # went non-finite, and the first of them (step, loss sum, gradient norm)
@@ -348,9 +351,13 @@ class _Loop:
         try:
             with StopRequest() as self.stop:
                 while self.at["step"] < c.max_steps:
+                    waited = time.perf_counter()
                     (epoch, index, count, n, *_), tensors = next(batches)
+                    stepped = time.perf_counter()
                     self.at.update(epoch=epoch, batch=index + 1)
                     lr = self.step(tensors, n)
+                    self.host[0] += stepped - waited
+                    self.host[1] += time.perf_counter() - stepped
                     bar.update(1)
                     stopped = self.should_stop() or stopped
                     step, done = self.at["step"], (self.at["step"] >= c.max_steps
@@ -499,6 +506,7 @@ class _Loop:
         return loss, nll, grad_norm
 
     def log_train(self, lr: float, bar) -> None:
+        synced = time.perf_counter()
         loss, nll, grad_norm = self.read_window()
         tokens = self.at["tokens"] - self.window_start[0]
         now = time.perf_counter()
@@ -506,7 +514,12 @@ class _Loop:
         self.log({"kind": "train", "step": self.at["step"], "epoch": self.at["epoch"],
                   "loss": loss / tokens, "nll": nll / tokens, "lr": lr,
                   "grad_norm": grad_norm, "tokens": self.at["tokens"],
-                  "seconds": self.clock(), "tokens_per_second": speed})
+                  "seconds": self.clock(), "tokens_per_second": speed,
+                  # where the window's time went: waiting for batches, the steps' host
+                  # work, waiting for the device at this read (a GPU's backlog)
+                  "batch_wait_seconds": self.host[0], "step_seconds": self.host[1],
+                  "device_wait_seconds": now - synced})
+        self.host = [0.0, 0.0]
         bar.set_postfix(loss=f"{loss / tokens:.3f}", lr=f"{lr:.1e}",
                         tok_s=f"{speed:,.0f}", refresh=False)
         self.window.zero_()
