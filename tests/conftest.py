@@ -198,9 +198,8 @@ def copier_run(tmp_path_factory) -> Path:
     def build(out):
         from test_decoding import copy_examples
 
-        from transformer.engine.loop import train
+        from transformer.engine.loop import RunConfig, train
         from transformer.model import Transformer, TransformerConfig
-        from transformer.training import TrainConfig
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
@@ -208,7 +207,7 @@ def copier_run(tmp_path_factory) -> Path:
             model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
                                                   n_layers=2, dropout=0.0, max_len=64, norm_first=True))
             result = train(model, copy_examples(3000, seed=1), copy_examples(100, seed=2),
-                           TrainConfig(batch_tokens=1024, max_steps=250, warmup=50, lr_scale=0.2, eval_every=50,
+                           RunConfig(batch_tokens=1024, max_steps=250, warmup=50, lr_scale=0.2, eval_every=50,
                                        label_smoothing=0.0), out_dir=out, progress=False)
         finally:
             torch.set_num_threads(threads)

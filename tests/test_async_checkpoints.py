@@ -20,9 +20,8 @@ from transformer.engine.checkpoints import (
     load_checkpoint,
     model_from_checkpoint,
 )
-from transformer.engine.loop import train
+from transformer.engine.loop import RunConfig, train
 from transformer.model import Transformer, TransformerConfig
-from transformer.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 DEADLINE = 120      # seconds a blocked write waits before the test gives up (a hang guard, never asserted)
@@ -35,7 +34,7 @@ def tiny_model(tie=False):
 
 
 def config(**kw):
-    return TrainConfig(**{**dict(batch_tokens=256, warmup=10, eval_every=4, log_every=2, max_steps=8), **kw})
+    return RunConfig(**{**dict(batch_tokens=256, warmup=10, eval_every=4, log_every=2, max_steps=8), **kw})
 
 
 def test_a_blocked_write_does_not_block_the_steps(tmp_path, monkeypatch):

@@ -12,9 +12,9 @@ import torch
 from transformer.__main__ import main
 from transformer.cli.commands import CONFIG_FLAGS, build_parser
 from transformer.cli.train import _configs
+from transformer.engine.loop import RunConfig
 from transformer.model import POSITIONS, PRESETS, TransformerConfig
 from transformer.modern.gpt import ARCHS
-from transformer.training import TrainConfig
 
 V = 300                                                    # the vocabulary the tokenizer would give
 FROM_TOKENIZER = {"src_vocab", "tgt_vocab", "pad_id"}      # set by --vocab-size and the tokenizer, no flag of their own
@@ -33,12 +33,12 @@ def run(*argv):
 
 def config_fields():
     "Every field train can set: chapter 7.1's and chapter 8's configs, and chapter 19.1's `arch`."
-    hints = {**get_type_hints(TransformerConfig), "arch": str, **get_type_hints(TrainConfig)}
+    hints = {**get_type_hints(TransformerConfig), "arch": str, **get_type_hints(RunConfig)}
     return {name: kind for name, kind in hints.items() if name not in FROM_TOKENIZER}
 
 
 def test_every_config_field_has_a_flag_of_its_own_name():
-    assert {f.name for f in fields(TransformerConfig)} & {f.name for f in fields(TrainConfig)} == set()
+    assert {f.name for f in fields(TransformerConfig)} & {f.name for f in fields(RunConfig)} == set()
     assert set(CONFIG_FLAGS) == set(config_fields())
     options = {o: a for a in build_parser()._subparsers._group_actions[0].choices["train"]._actions
                for o in a.option_strings}
@@ -64,12 +64,12 @@ def _another_value(name, kind, now):
 def test_each_field_flag_sets_its_field(name):
     kind = config_fields()[name]
     model, train = configs()
-    config = train if name in TrainConfig.__dataclass_fields__ else model
+    config = train if name in RunConfig.__dataclass_fields__ else model
     value = _another_value(name, kind, getattr(config, name, "encoder-decoder"))
     flag = CONFIG_FLAGS[name][0]
     argv = [flag if value else "--no-" + flag[2:]] if isinstance(value, bool) else [flag, value]
     model, train = configs(*argv)
-    assert getattr(train if name in TrainConfig.__dataclass_fields__ else model, name) == value
+    assert getattr(train if name in RunConfig.__dataclass_fields__ else model, name) == value
 
 
 # every flag train had before issue 42 -> the field it sets, and the config's own name for it
@@ -111,7 +111,7 @@ OLD_FLAGS = [  # (old flags, new flags, the fields they set)
 def test_an_old_flag_still_sets_what_it_set(old, new, want):
     for flags in (old, new):
         model, train = configs(*flags)
-        assert {k: getattr(train if k in TrainConfig.__dataclass_fields__ else model, k) for k in want} == want
+        assert {k: getattr(train if k in RunConfig.__dataclass_fields__ else model, k) for k in want} == want
     assert configs(*old) == configs(*new)
 
 
@@ -120,13 +120,13 @@ def test_the_preset_fills_every_flag_not_given(preset):
     "The config's defaults stay the single source: a flag left out is unset, and the configs are the preset's."
     args = build_parser().parse_args(["train", "--preset", preset])
     assert all(getattr(args, name) is None for name in CONFIG_FLAGS)
-    assert _configs(args, V) == (TransformerConfig.preset(preset, src_vocab=V, tgt_vocab=V), TrainConfig.preset(preset))
+    assert _configs(args, V) == (TransformerConfig.preset(preset, src_vocab=V, tgt_vocab=V), RunConfig.preset(preset))
 
 
 def test_help_lists_each_group_and_every_flag():
     code, out, _ = run("train", "--help")
     assert code == 0
-    for group in ("run:", "model: TransformerConfig", "training: TrainConfig", "evaluation:"):
+    for group in ("run:", "model: TransformerConfig", "training: RunConfig", "evaluation:"):
         assert f"\n{group}" in out, group
     for flags in CONFIG_FLAGS.values():
         assert all(flag in out for flag in flags), flags

@@ -271,8 +271,8 @@ def _tiny(vocab=500):
 
 
 def _quick(**kw):
-    from transformer.training import TrainConfig
-    return TrainConfig(**{**dict(batch_tokens=1200, max_steps=6, warmup=10, eval_every=3, log_every=1), **kw})
+    from transformer.engine.loop import RunConfig
+    return RunConfig(**{**dict(batch_tokens=1200, max_steps=6, warmup=10, eval_every=3, log_every=1), **kw})
 
 
 def _losses(result):

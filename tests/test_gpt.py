@@ -9,11 +9,10 @@ import torch
 from transformer.__main__ import main
 from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
 from transformer.engine.fast import beam_search, greedy_search
-from transformer.engine.loop import train
+from transformer.engine.loop import RunConfig, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.modern.gpt import DecoderOnly, DecoderOnlyConfig, build_model, pack, sequence_mask
 from transformer.tokens import BOS, EOS, PAD, pad_batch
-from transformer.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -184,7 +183,7 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
                                           n_layers=2, dropout=0.0, max_len=64, norm_first=True,
                                           arch="prefix-lm"))
     result = train(model, copy_examples(3000, 1), copy_examples(100, 2),
-                   TrainConfig(batch_tokens=512, max_steps=450, warmup=50, lr_scale=0.3,
+                   RunConfig(batch_tokens=512, max_steps=450, warmup=50, lr_scale=0.3,
                                eval_every=200, label_smoothing=0.0),
                    out_dir=tmp_path, progress=False)
     last = [h for h in result.history if "val_nll" in h][-1]

@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from transformer.engine.loop import _Loop, train
+from transformer.engine.loop import RunConfig, _Loop, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
-from transformer.training import TrainConfig, collate
+from transformer.training import collate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
@@ -35,7 +35,7 @@ def config(**kw):
 
 
 def quick(**kw):
-    return TrainConfig(**{**dict(batch_tokens=600, max_steps=30, warmup=20, eval_every=15, log_every=5), **kw})
+    return RunConfig(**{**dict(batch_tokens=600, max_steps=30, warmup=20, eval_every=15, log_every=5), **kw})
 
 
 def steps_without_sync(loop, n):

@@ -221,9 +221,8 @@ def test_data_without_a_manifest_is_refused(prepared, tmp_path, leftover):
 def test_snapshots_newer_than_last_pt_are_dropped_on_resume(tmp_path):
     import torch
 
-    from transformer.engine.loop import train
+    from transformer.engine.loop import RunConfig, train
     from transformer.model import Transformer, TransformerConfig
-    from transformer.training import TrainConfig
 
     def model():
         torch.manual_seed(0)
@@ -234,7 +233,7 @@ def test_snapshots_newer_than_last_pt_are_dropped_on_resume(tmp_path):
                  [1] + torch.randint(4, 50, (6,), generator=g).tolist() + [2]) for _ in range(64)]
 
     def config(steps):
-        return TrainConfig(batch_tokens=80, max_steps=steps, warmup=4, eval_every=100, log_every=100,
+        return RunConfig(batch_tokens=80, max_steps=steps, warmup=4, eval_every=100, log_every=100,
                            snapshot_every=2, keep_checkpoints=3)
     train(model(), examples, None, config(6), out_dir=tmp_path / "whole", progress=False)
     train(model(), examples, None, config(4), out_dir=tmp_path / "cut", progress=False)

@@ -6,10 +6,9 @@ import pytest
 import torch
 
 import transformer.engine.loop as loop
-from transformer.engine.loop import train
+from transformer.engine.loop import RunConfig, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS
-from transformer.training import TrainConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,7 +51,7 @@ def evaluations(monkeypatch):
         model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1,
                                               dropout=0.0, max_len=32))
         base = dict(batch_tokens=256, warmup=10, eval_every=10, log_every=5, max_steps=1000)
-        result = train(model, examples(100, 1), examples(8, 2), TrainConfig(**{**base, **config}),
+        result = train(model, examples(100, 1), examples(8, 2), RunConfig(**{**base, **config}),
                        out_dir=tmp_path, progress=False, on_eval=timed_eval, eval_share=eval_share)
         return result, calls
     run.clock = now                  # the fake clock's reading: where a run ended, in its seconds
@@ -121,7 +120,7 @@ def test_without_eval_share_every_due_evaluation_runs(tmp_path, evaluations):
 def test_an_eval_share_outside_0_1_is_refused(tmp_path, share):
     with pytest.raises(ValueError, match="eval_share=.* must lie between 0 and 1"):
         train(Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1)),
-              examples(4), None, TrainConfig(max_steps=1), eval_share=share)
+              examples(4), None, RunConfig(max_steps=1), eval_share=share)
 
 
 def test_a_compiling_step_is_not_taken_for_the_pace(tmp_path, evaluations, monkeypatch):

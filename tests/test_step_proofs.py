@@ -20,9 +20,9 @@ from torch import nn
 import transformer.engine.fast as fast
 import transformer.engine.loop as loop
 from transformer.engine.devices import prefetch
-from transformer.engine.loop import train
+from transformer.engine.loop import RunConfig, train
 from transformer.model import Transformer, TransformerConfig
-from transformer.training import Seq2SeqLoss, TrainConfig
+from transformer.training import Seq2SeqLoss
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), pytest.mark.slow]
 
@@ -55,7 +55,7 @@ def python_calls_per_step(monkeypatch, batch_tokens, steps=6):
             calls.append(count[0])
             sentences.append(sum(t.size(0) for t in tensors[::2]))
     monkeypatch.setattr(loop._Loop, "step", counted)
-    train(tiny_model(), DATA, None, TrainConfig(batch_tokens=batch_tokens, max_steps=steps, warmup=10,
+    train(tiny_model(), DATA, None, RunConfig(batch_tokens=batch_tokens, max_steps=steps, warmup=10,
                                                 log_every=3, eval_every=100), progress=False)
     monkeypatch.setattr(loop._Loop, "step", step)
     return calls, sentences
@@ -88,7 +88,7 @@ def test_the_python_calls_of_a_step_do_not_grow_with_accumulated_pieces_either(m
                 sys.setprofile(None)
                 calls.append(count[0])
         monkeypatch.setattr(loop._Loop, "step", counted)
-        train(tiny_model(), DATA, None, TrainConfig(batch_tokens=batch_tokens, max_steps=4, warmup=10,
+        train(tiny_model(), DATA, None, RunConfig(batch_tokens=batch_tokens, max_steps=4, warmup=10,
                                                     log_every=2, eval_every=100, accum_steps=2), progress=False)
         monkeypatch.setattr(loop._Loop, "step", step)
         return calls
@@ -131,7 +131,7 @@ def reads_per_iteration(monkeypatch, tmp_path, **config):
     monkeypatch.setattr(loop._Loop, "step", marked)
     base = dict(batch_tokens=320, max_steps=12, warmup=10, log_every=4, eval_every=6, keep_checkpoints=2)
     with syncs:
-        result = train(tiny_model(), DATA, examples(40, seed=1), TrainConfig(**{**base, **config}),
+        result = train(tiny_model(), DATA, examples(40, seed=1), RunConfig(**{**base, **config}),
                        out_dir=tmp_path, progress=False)
         end = syncs.total
     marks.append((None, end))

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from transformer.data import load_multi30k
-from transformer.engine.loop import SubwordDropout, merge_children, train
+from transformer.engine.loop import RunConfig, SubwordDropout, merge_children, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, UNK, Tokenizer
-from transformer.training import TrainConfig, make_examples
+from transformer.training import make_examples
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,7 +115,7 @@ def small_model(tok):
 
 
 def quick(**kw):
-    return TrainConfig(**{**dict(batch_tokens=1200, max_steps=12, warmup=6, eval_every=6, log_every=1,
+    return RunConfig(**{**dict(batch_tokens=1200, max_steps=12, warmup=6, eval_every=6, log_every=1,
                                  subword_dropout=0.1), **kw})
 
 

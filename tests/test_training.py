@@ -4,7 +4,7 @@ import math
 import os
 import signal
 import socket
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
@@ -27,7 +27,7 @@ from transformer.engine.checkpoints import (
     save_checkpoint,
     strip_prefixes,
 )
-from transformer.engine.loop import my_pieces, train
+from transformer.engine.loop import RunConfig, my_pieces, train
 from transformer.model import Transformer, TransformerConfig
 from transformer.tokens import BOS, EOS, PAD
 from transformer.training import (
@@ -58,7 +58,7 @@ def tiny_config(dropout=0.0, vocab=16, n_layers=2):
 
 def quick(**kw):
     base = dict(batch_tokens=512, max_steps=20, warmup=20, lr_scale=0.5, eval_every=10, log_every=1)
-    return TrainConfig(**{**base, **kw})
+    return RunConfig(**{**base, **kw})
 
 
 # --- loss -------------------------------------------------------------------------------------
@@ -210,7 +210,7 @@ def test_load_checkpoint_bad_files(tmp_path, content, match):
     if content == "foreign":
         torch.save({"state_dict": {"w": torch.zeros(2)}}, path)
     elif content == "pickled_object":
-        torch.save({"format": CHECKPOINT_FORMAT, "obj": TrainConfig()}, path)   # not weights_only-safe
+        torch.save({"format": CHECKPOINT_FORMAT, "obj": RunConfig()}, path)   # not weights_only-safe
     elif content == "truncated":
         save_checkpoint(path, Transformer(tiny_config()))
         path.write_bytes(path.read_bytes()[:1000])
@@ -241,15 +241,38 @@ def test_model_from_checkpoint_rejects_a_broken_config(tmp_path):
 ])
 def test_train_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        RunConfig(**kwargs)
 
 
 def test_train_config_presets():
-    assert TrainConfig.preset("base").batch_tokens == 25_000 and TrainConfig.preset("base").warmup == 4000
-    assert TrainConfig.preset("tiny", warmup=7).warmup == 7
+    assert RunConfig.preset("base").batch_tokens == 25_000 and RunConfig.preset("base").warmup == 4000
+    assert RunConfig.preset("tiny", warmup=7).warmup == 7
     with pytest.raises(ValueError, match="unknown preset 'huge'"):
-        TrainConfig.preset("huge")
-    assert TrainConfig.from_dict(asdict(TrainConfig.preset("small"))) == TrainConfig.preset("small")
+        RunConfig.preset("huge")
+    assert RunConfig.from_dict(asdict(RunConfig.preset("small"))) == RunConfig.preset("small")
+
+
+def test_chapter_8s_config_is_the_papers_recipe_and_the_engine_runs_it(tmp_path):
+    """Issue 42: chapter 8's `TrainConfig` holds the paper's recipe alone; appendix E.2's `RunConfig` adds how the
+    engine runs it, a subclass (its preset = chapter 8's + RUN_PRESETS); `train` takes either, a `TrainConfig` with
+    the engine's defaults."""
+    paper = {"batch_tokens", "max_steps", "warmup", "lr_scale", "beta1", "beta2", "adam_eps", "label_smoothing",
+             "clip_norm", "seed"}
+    assert {f.name for f in fields(TrainConfig)} == paper
+    assert issubclass(RunConfig, TrainConfig) and paper < {f.name for f in fields(RunConfig)}
+    for name in ("tiny", "small", "base", "big"):
+        run = RunConfig.preset(name)
+        assert TrainConfig(**{k: getattr(run, k) for k in paper}) == TrainConfig.preset(name)
+    with pytest.raises(TypeError, match="compile"):
+        TrainConfig(compile=True)
+    with pytest.raises(ValueError, match="log_every=0 must be an int >= 1"):
+        RunConfig(log_every=0)
+    torch.manual_seed(0)
+    chapter8 = train(Transformer(tiny_config()), copy_examples(40), None,
+                     TrainConfig(batch_tokens=256, max_steps=3, warmup=2), out_dir=tmp_path, progress=False)
+    assert chapter8.step == 3
+    saved = torch.load(tmp_path / "last.pt", weights_only=False)["train_config"]
+    assert saved == asdict(RunConfig(batch_tokens=256, max_steps=3, warmup=2))   # recorded as the engine ran it
 
 
 # --- the loop ---------------------------------------------------------------------------------
@@ -484,7 +507,7 @@ def test_model_bytes_of_decoder_only_models():
 def test_check_resumable_reads_a_checkpoint_from_before_the_shape_fields(tmp_path):
     "A last.pt whose model_config lacks positions and d_k is the paper's model; a real difference is still refused."
     from transformer.engine.checkpoints import check_resumable
-    config = TrainConfig(batch_tokens=512, max_steps=20)
+    config = RunConfig(batch_tokens=512, max_steps=20)
     model = Transformer(tiny_config())
     saved = {"model_config": model.config.to_dict(), "train_config": asdict(config)}
     for key in ("positions", "d_k"):
@@ -581,8 +604,8 @@ def test_on_eval_bleu_picks_best(tmp_path):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(train_examples=[]), "train_examples is empty"),
     (dict(resume=True), "resume=True needs out_dir"),
-    (dict(config=TrainConfig(batch_tokens=8)), "more than max_tokens"),
-    (dict(config=TrainConfig(batch_tokens=64, accum_steps=64)), "more than max_tokens|no full step"),
+    (dict(config=RunConfig(batch_tokens=8)), "more than max_tokens"),
+    (dict(config=RunConfig(batch_tokens=64, accum_steps=64)), "more than max_tokens|no full step"),
 ])
 def test_train_bad_inputs(kwargs, match):
     args = dict(model=Transformer(tiny_config()), train_examples=copy_examples(50), config=quick(), progress=False)
@@ -712,7 +735,7 @@ def test_average_checkpoints_refuses_mixed_models(tmp_path):
                                            (dict(snapshot_every=0), "snapshot_every=0")])
 def test_snapshot_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        TrainConfig(**kwargs)
+        RunConfig(**kwargs)
 
 
 @pytest.mark.slow

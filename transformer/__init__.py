@@ -20,5 +20,5 @@ from .model import PRESETS, Transformer, TransformerConfig                      
 from .training import TrainConfig                                                   # 08
 from .decoding import PrefixDecoder, greedy_decode, greedy_search, length_penalty  # 09 (the plain search)
 from .evaluation import bleu, bleu_lc_tok, chrf, score                              # 10
-from .engine.loop import TrainResult, train                                                # E.2 the loop
+from .engine.loop import RunConfig, TrainResult, train                                     # E.2 the loop
 from .engine.trained import TrainedModel, load                                             # E.1 a trained model

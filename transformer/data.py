@@ -715,20 +715,21 @@ def check_hyps_refs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str]
 
 # %% ../book/e_2_loop.ipynb #t005d
 def check_train_config(c) -> None:
-    "Every field of chapter 8's `TrainConfig` in its range, or a `ValueError` naming the first that is not."
-    def whole(v, low):   # an int, not a bool, >= low
-        return isinstance(v, int) and not isinstance(v, bool) and v >= low
-    checks = [(name, whole(getattr(c, name), 1), "an int >= 1") for name in (
-        "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")]
-    checks += [(name, 0 <= getattr(c, name) < 1, "in [0, 1)") for name in (
-        "beta1", "beta2", "label_smoothing", "subword_dropout")]
-    checks += [(name, getattr(c, name) > 0, "> 0") for name in ("lr_scale", "adam_eps")]
-    checks += [
-        ("keep_checkpoints", whole(c.keep_checkpoints, 0), "an int >= 0 (0: keep none)"),
-        ("snapshot_every", c.snapshot_every is None or whole(c.snapshot_every, 1),
-         "an int >= 1 or None (= eval_every)"),
-        ("clip_norm", c.clip_norm is None or c.clip_norm > 0, "> 0 or None"),
-        ("max_minutes", c.max_minutes is None or c.max_minutes > 0, "> 0 or None")]
-    for name, ok, rule in checks:
-        if not ok:
-            raise ValueError(f"{name}={getattr(c, name)!r} must be {rule}")
+    """Every field of chapter 8's `TrainConfig` (or the engine's `RunConfig`) in its range,
+    or a `ValueError` naming the first that is not."""
+    def whole(low):   # an int, not a bool, >= low
+        return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+    rules = {name: (whole(1), "an int >= 1") for name in (
+        "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")}
+    rules |= {name: (lambda v: 0 <= v < 1, "in [0, 1)") for name in (
+        "beta1", "beta2", "label_smoothing", "subword_dropout")}
+    rules |= {name: (lambda v: v > 0, "> 0") for name in ("lr_scale", "adam_eps")}
+    rules |= {
+        "keep_checkpoints": (whole(0), "an int >= 0 (0: keep none)"),
+        "snapshot_every": (lambda v: v is None or whole(1)(v), "an int >= 1 or None (= eval_every)"),
+        "clip_norm": (lambda v: v is None or v > 0, "> 0 or None"),
+        "max_minutes": (lambda v: v is None or v > 0, "> 0 or None")}
+    for name, value in vars(c).items():     # the fields, in order
+        ok, rule = rules.get(name, (lambda v: True, ""))
+        if not ok(value):
+            raise ValueError(f"{name}={value!r} must be {rule}")

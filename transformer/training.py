@@ -113,43 +113,27 @@ class Seq2SeqLoss(nn.Module):
 
 # %% ../book/08_training.ipynb #c028
 TRAIN_PRESETS: dict[str, dict] = {
-    "tiny":  dict(batch_tokens=3000, warmup=200, max_steps=2000, eval_every=250),
-    "small": dict(batch_tokens=4000, warmup=400, max_steps=20_000, eval_every=200, cpu_bf16=True,
-                  keep_checkpoints=10, snapshot_every=100, subword_dropout=0.2),
-    "base":  dict(batch_tokens=25_000, warmup=4000, max_steps=100_000, eval_every=2000),
-    "big":   dict(batch_tokens=25_000, warmup=4000, max_steps=300_000, eval_every=2000),
+    "tiny":  dict(batch_tokens=3000, warmup=200, max_steps=2000),
+    "small": dict(batch_tokens=4000, warmup=400, max_steps=20_000),
+    "base":  dict(batch_tokens=25_000, warmup=4000, max_steps=100_000),
+    "big":   dict(batch_tokens=25_000, warmup=4000, max_steps=300_000),
 }
 
 
 @dataclass
 class TrainConfig:
-    """How to train. `batch_tokens` is the padded token budget of one optimizer step,
-    all pieces together."""
+    """How to train: the paper's recipe (sections 5.3 and 5.4). `batch_tokens` is the
+    padded token budget of one optimizer step."""
     batch_tokens: int = 25_000
-    accum_steps: int = 1            # micro-batches per process and step (gradient accumulation)
     max_steps: int = 100_000
-    max_minutes: float | None = None
     warmup: int = 4000
     lr_scale: float = 1.0           # multiplies equation (3); 1 is the paper
     beta1: float = 0.9
     beta2: float = 0.98
     adam_eps: float = 1e-9
     label_smoothing: float = 0.1
-    subword_dropout: float = 0.0    # BPE-dropout of the training pairs, new each epoch; 0: off
-    clip_norm: float | None = 1.0
-    eval_every: int = 1000          # validate and save last.pt every this many steps
-    log_every: int = 50
+    clip_norm: float | None = 1.0   # not in the paper
     seed: int = 0
-    amp: bool = True                # bf16 autocast on CUDA
-    cpu_bf16: bool = False          # and on the CPU (pays off with AMX or AVX512-BF16)
-    compile: bool = False           # torch.compile the model + loss
-    keep_checkpoints: int = 0       # keep the weights of the last N snapshots, for averaging
-    snapshot_every: int | None = None   # steps between those snapshots (None: eval_every)
-
-    # fields that may change when a run is resumed (they change a step's math only by rounding)
-    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp",
-                 "cpu_bf16", "compile", "accum_steps", "keep_checkpoints",
-                 "snapshot_every")
 
     def __post_init__(self):
         check_train_config(self)    # every field in its range: appendix E.2
@@ -164,3 +148,4 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, d: dict) -> "TrainConfig":
         return config_from_dict(cls, d)
+

@@ -24,9 +24,9 @@ import torch
 
 from ..data import LANGS, SPLITS, DataError, UserError, load_multi30k
 from ..engine.devices import DEVICES
+from ..engine.loop import RunConfig
 from ..engine.trained import BATCH_TOKENS
 from ..model import POSITIONS, PRESETS, TransformerConfig
-from ..training import TrainConfig
 
 # %% auto #0
 __all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
@@ -188,8 +188,8 @@ def _train_parser(sub) -> None:
     _field_flags(m, _MODEL_FIELDS)
     m.add_argument("--norm", choices=["pre", "post"], dest="norm_first", action=_PrePost,
                    help="the older form of --norm-first (pre) and --no-norm-first (post)")
-    _field_flags(t.add_argument_group("training: TrainConfig, chapter 8 (default: the preset's)"),
-                 get_type_hints(TrainConfig))
+    _field_flags(t.add_argument_group("training: RunConfig, chapter 8 and appendix E.2 (default: the preset's)"),
+                 get_type_hints(RunConfig))
     e = t.add_argument_group("evaluation")
     e.add_argument("--eval-sentences", type=POSITIVE, metavar="N",
                    help="translate only the first N sentences of each split")
@@ -258,7 +258,7 @@ _FIELD_HELP = {
 # its DecoderOnlyConfig, which TransformerConfig.preset builds for it)
 _MODEL_FIELDS = {**get_type_hints(TransformerConfig), "arch": str}
 CONFIG_FLAGS = {name: [f"--{name.replace('_', '-')}", *_ALIASES.get(name, [])]
-                for name in (*_MODEL_FIELDS, *get_type_hints(TrainConfig))
+                for name in (*_MODEL_FIELDS, *get_type_hints(RunConfig))
                 if name not in ("src_vocab", "tgt_vocab", "pad_id")}
 
 

@@ -44,18 +44,18 @@ from transformer.engine.checkpoints import (
 from ..engine.corpus import MANIFEST, TOKENIZER_FILE, ShardedCorpus
 from ..engine.devices import init_distributed, pick_device
 from ..engine.fast import bleu_callback
-from ..engine.loop import SubwordDropout, final_evaluation, train
+from ..engine.loop import RunConfig, SubwordDropout, final_evaluation, train
 from ..engine.trained import check_tokenizer
 from ..model import TransformerConfig
 from ..tokens import Tokenizer
-from ..training import TrainConfig, make_examples
+from ..training import make_examples
 
 # %% auto #0
 __all__ = ['prepared_corpus', 'cmd_train']
 
 # %% ../../book/c_1_train.ipynb #c009
 def _run_config(args, model_config: TransformerConfig,
-                train_config: TrainConfig, corpus: ShardedCorpus | None = None) -> dict:
+                train_config: RunConfig, corpus: ShardedCorpus | None = None) -> dict:
     data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
     if corpus is not None:       # a prepared corpus, by its manifest (it may move)
         data.update(corpus=str(corpus.dir), corpus_pairs=len(corpus),
@@ -111,7 +111,7 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
         _arch(saved["model"].get("arch"))
         saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
     if "train" in saved:
-        saved = {**saved, "train": {**asdict(TrainConfig()), **saved["train"]}}
+        saved = {**saved, "train": {**asdict(RunConfig()), **saved["train"]}}
     was = saved.get("data", {})
     if "corpus_manifest_sha256" in was and "corpus_manifest_sha256" not in now["data"]:
         corpus = was.get("corpus", f"of {was.get('corpus_pairs')} pairs")
@@ -122,7 +122,7 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
         # path, which may move
         keys = now[part].keys() | (was.keys() - {"corpus"} if part == "data" else set())
         for key, value in ((k, now[part].get(k)) for k in sorted(keys)):
-            if part == "train" and key in TrainConfig.RESUMABLE:
+            if part == "train" and key in RunConfig.RESUMABLE:
                 continue
             if saved.get(part, {}).get(key) != value:
                 diffs.append(f"{key}={value!r} (the run has "
@@ -142,17 +142,17 @@ def _arch(arch: str | None) -> None:
         import transformer.modern.gpt  # noqa: F401
 
 
-def _configs(args, vocab_size: int) -> tuple[TransformerConfig, TrainConfig]:
+def _configs(args, vocab_size: int) -> tuple[TransformerConfig, RunConfig]:
     ("The model and training configs the flags ask for (a field the preset's unless its flag "
      "is given); a bad value is a one-line error in the flags' words.")
     given = {k: getattr(args, k) for k in CONFIG_FLAGS if getattr(args, k, None) is not None}
     if given.get("clip_norm") == 0:     # --clip-norm 0: off
         given["clip_norm"] = None
-    train = {k: given.pop(k) for k in TrainConfig.__dataclass_fields__ if k in given}
+    train = {k: given.pop(k) for k in RunConfig.__dataclass_fields__ if k in given}
     _arch(given.get("arch"))
     try:   # the rest of `given` is the model's
         return (TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
-                                         **given), TrainConfig.preset(args.preset, **train))
+                                         **given), RunConfig.preset(args.preset, **train))
     # "h=3 ..." -> "--heads 3 ..." (the flag as the command line has it)
     except ValueError as e:
         raise CLIError(re.sub(r"\b(\w+)=(\S+)", lambda m: _as_flag(m, args), str(e), count=2)
@@ -200,7 +200,7 @@ def _check_out(out: Path, args) -> None:
                        "those files")
 
 
-def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: int,
+def _check_batch_tokens(args, train_config: RunConfig, longest: int, pieces: int,
                         exact: bool) -> None:
     ("Every training pair must fit one piece of a step: batch_tokens / pieces padded "
      "slots.")
@@ -212,7 +212,7 @@ def _check_batch_tokens(args, train_config: TrainConfig, longest: int, pieces: i
                        f"{'' if exact else 'at least '}{longest} tokens{split}; "
                        f"use --batch-tokens {longest * pieces} or more (the "
                        f"{args.preset} preset uses "
-                       f"{TrainConfig.preset(args.preset).batch_tokens})")
+                       f"{RunConfig.preset(args.preset).batch_tokens})")
 
 
 def cmd_train(args) -> int:
@@ -412,7 +412,7 @@ def _check_prepared(args, corpus: Path) -> None:
     args.subword_dropout = 0.0
 
 
-def _results(args, split: str, final: dict, result, train_config: TrainConfig, device,
+def _results(args, split: str, final: dict, result, train_config: RunConfig, device,
              world_size: int, final_seconds: float, provenance: dict) -> dict:
     "What results.json records of a finished run."
     def scores(s: dict) -> dict:

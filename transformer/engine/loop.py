@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -56,8 +56,41 @@ from ..tokens import BOS, EOS, PAD, UNK, Tokenizer, token_batches
 from ..training import TrainConfig, collate, make_examples, make_optimizer, rate, set_rate
 
 # %% auto #0
-__all__ = ['TrainResult', 'check_examples', 'evaluate_loss', 'train', 'my_pieces', 'bucket', 'merge_children', 'SubwordDropout',
-           'average_checkpoints', 'averaging_windows', 'final_evaluation']
+__all__ = ['RUN_PRESETS', 'RunConfig', 'TrainResult', 'check_examples', 'evaluate_loss', 'train', 'my_pieces', 'bucket',
+           'merge_children', 'SubwordDropout', 'average_checkpoints', 'averaging_windows', 'final_evaluation']
+
+# %% ../../book/e_2_loop.ipynb #runcfg
+RUN_PRESETS: dict[str, dict] = {    # what the engine adds to chapter 8's TRAIN_PRESETS
+    "tiny":  dict(eval_every=250),
+    "small": dict(eval_every=200, cpu_bf16=True, keep_checkpoints=10, snapshot_every=100,
+                  subword_dropout=0.2),
+    "base":  dict(eval_every=2000),
+    "big":   dict(eval_every=2000),
+}
+
+
+@dataclass
+class RunConfig(TrainConfig):
+    "Chapter 8's recipe, and how the engine runs it."
+    accum_steps: int = 1            # micro-batches per process and step (gradient accumulation)
+    max_minutes: float | None = None
+    subword_dropout: float = 0.0    # BPE-dropout of the training pairs, new each epoch; 0: off
+    eval_every: int = 1000          # validate and save last.pt every this many steps
+    log_every: int = 50
+    amp: bool = True                # bf16 autocast on CUDA
+    cpu_bf16: bool = False          # and on the CPU (pays off with AMX or AVX512-BF16)
+    compile: bool = False           # torch.compile the model + loss
+    keep_checkpoints: int = 0       # keep the weights of the last N snapshots, for averaging
+    snapshot_every: int | None = None   # steps between those snapshots (None: eval_every)
+
+    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp",
+                 "cpu_bf16", "compile", "accum_steps", "keep_checkpoints",
+                 "snapshot_every")
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "RunConfig":
+        return super().preset(name, **{**RUN_PRESETS.get(name, {}), **overrides})
+
 
 # %% ../../book/e_2_loop.ipynb #c030
 @dataclass
@@ -133,7 +166,7 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
 
 # %% ../../book/e_2_loop.ipynb #c031
 def train(model: Transformer, train_examples, val_examples: list | None = None,
-          config: TrainConfig | None = None, *,
+          config: RunConfig | TrainConfig | None = None, *,
           out_dir: str | os.PathLike | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
           run: dict | None = None, eval_share: float | None = None,
@@ -156,7 +189,8 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
     the first and the final evaluations always run. `buckets=m` (with `compile`) pads
     each batch to its bucket (`bucket`): one static graph a bucket instead of one graph
     with dynamic shapes."""
-    config = config or TrainConfig()
+    if not isinstance(config, RunConfig):   # chapter 8's recipe, run with the engine's defaults
+        config = RunConfig(**asdict(config or TrainConfig()))
     if not train_examples:
         raise ValueError("train_examples is empty; "
                          "pass a list of (src_ids, tgt_ids) pairs")
