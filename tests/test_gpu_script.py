@@ -69,15 +69,15 @@ def test_dmon_busy_reads_the_sm_column_from_the_header():
 def test_training_curve_reads_metrics(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
     rows = [{"kind": "train", "step": 50, "seconds": 3.0, "tokens_per_second": 1000.0, "batch_wait_seconds": 0.1,
-             "step_seconds": 2.5, "device_wait_seconds": 0.2},
+             "step_seconds": 2.5, "device_wait_seconds": 0.2, "cuda_mallocs": 40, "cuda_alloc_retries": 1},
             {"kind": "train", "step": 100, "seconds": 6.0, "tokens_per_second": 3000.0},
             {"kind": "eval", "step": 100, "seconds": 8.0, "val_loss": 4.0, "bleu_lc_tok": 12.5, "epoch": 0}]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
     curve = gpu.training_curve(metrics)
     assert curve["train_seconds_step_tokens_per_s"] == [[3.0, 50, 1000.0], [6.0, 100, 3000.0]]
     assert curve["best_window_tokens_per_s"] == 3000.0
-    assert curve["step_batch_wait_step_device_wait_s"][0] == [50, 0.1, 2.5, 0.2]     # a record from before: None
-    assert curve["step_batch_wait_step_device_wait_s"][1] == [100, None, None, None]
+    assert curve["step_waits_s_mallocs_retries"][0] == [50, 0.1, 2.5, 0.2, 40, 1]
+    assert curve["step_waits_s_mallocs_retries"][1] == [100, None, None, None, None, None]   # a record from before
     assert curve["evaluations"] == [{"step": 100, "seconds": 8.0, "val_loss": 4.0, "bleu_lc_tok": 12.5}]
     assert gpu.training_curve(tmp_path / "absent.jsonl")["best_window_tokens_per_s"] is None
 

@@ -156,8 +156,11 @@ def test_each_train_record_splits_its_time_between_batches_steps_and_the_device(
 
     monkeypatch.setattr(loop._Loop, "tensors", slow_tensors)
     monkeypatch.setattr(loop._Loop, "read_window", slow_read)
+    # on a GPU each record also says how often CUDA's caching allocator went to the driver (appendix F)
+    monkeypatch.setattr(loop, "allocator_counts", lambda device: {"cuda_mallocs": 7, "cuda_alloc_retries": 0})
     result, _ = evaluations(tmp_path, max_steps=20)
     records = [r for r in result.history if r["kind"] == "train"]
     assert [r["step"] for r in records] == [5, 10, 15, 20]
     for r in records:
         assert (r["batch_wait_seconds"], r["step_seconds"], r["device_wait_seconds"]) == (2.5, 5.0, 0.25)
+        assert (r["cuda_mallocs"], r["cuda_alloc_retries"]) == (7, 0)

@@ -22,8 +22,8 @@ from ..data import UserError
 
 # %% auto #0
 __all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul',
-           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'distributed', 'all_sum',
-           'StopRequest', 'inductor_workarounds', 'peak_memory']
+           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'allocator_counts', 'distributed',
+           'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -218,6 +218,17 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
             except queue.Empty:
                 pass
             worker.join(0.01)
+
+# %% ../../book/f_devices.ipynb #fdev-alloc
+def allocator_counts(device: torch.device) -> dict:
+    """CUDA's caching allocator since the process started: its requests to the driver
+    (`cudaMalloc`) and its retries after freeing its cache. Elsewhere, nothing."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {"cuda_mallocs": stats.get("num_device_alloc", 0),
+            "cuda_alloc_retries": stats.get("num_alloc_retries", 0)}
+
 
 # %% ../../book/f_devices.ipynb #f018
 def distributed(module: nn.Module, device: torch.device) -> DistributedDataParallel:

@@ -43,6 +43,7 @@ from transformer.engine.devices import (  # appendix F
     Precision,
     StopRequest,
     all_sum,
+    allocator_counts,
     choose_precision,
     distributed,
     fast_matmul,
@@ -552,7 +553,7 @@ class _Loop:
                   # where the window's time went: waiting for batches, the steps' host
                   # work, waiting for the device at this read (a GPU's backlog)
                   "batch_wait_seconds": self.host[0], "step_seconds": self.host[1],
-                  "device_wait_seconds": now - synced})
+                  "device_wait_seconds": now - synced, **allocator_counts(self.device)})
         self.host = [0.0, 0.0]
         bar.set_postfix(loss=f"{loss / tokens:.3f}", lr=f"{lr:.1e}",
                         tok_s=f"{speed:,.0f}", refresh=False)
