@@ -137,3 +137,21 @@ def test_inductor_workarounds_turn_off_the_tiling_analysis_that_failed_on_a_gpu(
         assert config.triton.coalesce_tiling_analysis is False
     finally:
         config.triton.coalesce_tiling_analysis = before
+
+
+def test_fast_kernels_take_cudnn_out_of_attention_on_a_gpu_only(monkeypatch):
+    """On CUDA: TF32, and scaled dot-product attention without cuDNN's kernel, which builds a plan for every new
+    input shape (the H200's slow first epoch, appendix F). On the CPU nothing changes. The flags are torch's own
+    (saved and restored here); the loop, the benchmark and translate/evaluate call this."""
+    from transformer.engine.devices import fast_kernels
+    calls = []
+    monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+        fast_kernels(torch.device("cpu"))
+        assert calls == [] and not torch.backends.cuda.matmul.allow_tf32
+        fast_kernels(torch.device("cuda"))
+        assert calls == [False] and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before

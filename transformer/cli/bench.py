@@ -30,7 +30,7 @@ from ..engine.checkpoints import write_json
 from transformer.engine.devices import (
     DEVICES,
     cpu_has_bf16_units,
-    fast_matmul,
+    fast_kernels,
     inductor_workarounds,
     peak_memory,
     pick_device,
@@ -211,7 +211,7 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
                     if bf16 is None else bool(bf16))
         # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast
         # for the rest
-        fast_matmul(dev)
+        fast_kernels(dev)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
         # as `train` does on CPU

@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..data import UserError
 
 # %% auto #0
-__all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_matmul',
+__all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_kernels',
            'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'allocator_counts', 'distributed',
            'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
 
@@ -120,12 +120,14 @@ def choose_precision(device: torch.device, amp: bool = True,
     return Precision(device.type)
 
 
-def fast_matmul(device: torch.device) -> None:
-    """TF32 for float32 matrix products on CUDA (Ampere and later): training and
-    inference alike. Nothing elsewhere."""
+def fast_kernels(device: torch.device) -> None:
+    """On CUDA, for training and inference alike: TF32 for float32 matrix products
+    (Ampere and later), and attention without cuDNN's kernel, which builds a plan for
+    every new input shape (the text above). Nothing elsewhere."""
     if torch.device(device).type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 # %% ../../book/f_devices.ipynb #fdev02
 DEVICES = ("auto", "cpu", "cuda", "mps")     # what --device accepts

@@ -46,7 +46,7 @@ from transformer.engine.devices import (  # appendix F
     allocator_counts,
     choose_precision,
     distributed,
-    fast_matmul,
+    fast_kernels,
     inductor_workarounds,
     prefetch,
     world,
@@ -276,7 +276,7 @@ class _Loop:
         self.device = next(model.parameters()).device
         self.rank, self.world_size = world()
         self.pieces = self.world_size * config.accum_steps
-        fast_matmul(self.device)
+        fast_kernels(self.device)
         self.precision = choose_precision(self.device, config.amp, config.cpu_bf16)
         # on the CPU evaluation stays float32, as the book's numbers were measured
         self.eval_precision = (self.precision if self.device.type == "cuda"
