@@ -60,6 +60,8 @@ def test_a_step_never_waits_for_the_gpu(monkeypatch, bf16):
     torch.manual_seed(0)
     model = Transformer(config()).to(CUDA)
     loop = _Loop(model, copy_examples(400), None, quick(), None, None, False, None)
+    # attention without cuDNN's kernel, which plans anew for every input shape (engine.devices.fast_kernels)
+    assert not torch.backends.cuda.cudnn_sdp_enabled()
     assert loop.precision.dtype == (torch.bfloat16 if bf16 else torch.float16)
     assert (loop.precision.scaler is None) == bf16
     loss, nll, grad_norm = steps_without_sync(loop, 6)
