@@ -2,6 +2,7 @@
 import threading
 import time
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,7 +143,7 @@ def test_inductor_workarounds_turn_off_the_tiling_analysis_that_failed_on_a_gpu(
 def test_fast_kernels_take_cudnn_out_of_attention_on_a_gpu_only(monkeypatch):
     """On CUDA: TF32, and scaled dot-product attention without cuDNN's kernel, which builds a plan for every new
     input shape (the H200's slow first epoch, appendix F). On the CPU nothing changes. The flags are torch's own
-    (saved and restored here); the loop, the benchmark and translate/evaluate call this."""
+    (saved and restored here); the loop, the benchmark and `load` (so translate and evaluate) call this."""
     from transformer.engine.devices import fast_kernels
     calls = []
     monkeypatch.setattr(torch.backends.cuda, "enable_cudnn_sdp", calls.append)
@@ -155,3 +156,12 @@ def test_fast_kernels_take_cudnn_out_of_attention_on_a_gpu_only(monkeypatch):
         assert calls == [False] and torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+
+
+def test_load_sets_the_fast_kernels_for_its_device(monkeypatch):
+    "transformer.load (the command line's translate and evaluate, and the Python API) sets them for where it loads."
+    import transformer.engine.trained as trained
+    seen = []
+    monkeypatch.setattr(trained, "fast_kernels", seen.append)
+    trained.load(Path(__file__).resolve().parents[1] / "book" / "model")
+    assert seen == [torch.device("cpu")]

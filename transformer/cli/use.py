@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from . import web  # appendix I: export --web
 from .commands import CLIError, load_pairs, sigterm_as_interrupt
-from ..engine.devices import fast_kernels, pick_device
+from ..engine.devices import pick_device
 from ..engine.fast import translate
 from ..engine.trained import WEIGHTS, load, translate_chunks
 from ..model import Transformer
@@ -34,7 +34,6 @@ __all__ = ['MAX_LINE', 'cmd_translate', 'cmd_evaluate', 'cmd_export', 'cmd_plot'
 # %% ../../book/c_2_use.ipynb #c011
 def _setup_inference(args) -> tuple[Transformer, Tokenizer, dict]:
     device = pick_device(args.device)
-    fast_kernels(device)          # on a GPU: TF32, attention without cuDNN's (appendix F)
     if args.threads:
         torch.set_num_threads(args.threads)
     trained = load(args.model, args.checkpoint, device)     # appendix E.1

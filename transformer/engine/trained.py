@@ -27,6 +27,7 @@ from transformer.engine.checkpoints import (
     read_metrics,
     write_json,
 )
+from .devices import fast_kernels  # appendix F
 from .fast import translate
 from ..model import Transformer
 from ..tokens import Tokenizer
@@ -307,7 +308,8 @@ def load(path: str | os.PathLike, which: str = "chosen",
     (the checkpoint train chose on val; best.pt when it chose none, or when the file it
     chose is gone), best, last or averaged. Refused with a one-line `CheckpointError`
     naming the file: a missing file, a tokenizer of another run, an exported model's
-    weights whose sha256 is not the recorded one, tensors that are not the model's."""
+    weights whose sha256 is not the recorded one, tensors that are not the model's. On a
+    GPU it sets appendix F's `fast_kernels` (for the whole process)."""
     run_dir = Path(path)
     if which not in ("chosen", *CHECKPOINTS):
         raise CheckpointError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
@@ -356,6 +358,7 @@ def load(path: str | os.PathLike, which: str = "chosen",
     state = _read_weights(ckpt) if shipped else load_checkpoint(ckpt)
     check_tokenizer(state, ckpt, tok_path)
     model = model_from_checkpoint(state, device, name=str(ckpt))
+    fast_kernels(model.generator.weight.device)   # on a GPU: TF32, no cuDNN attention (appendix F)
     tokenizer = Tokenizer.load(tok_path)
     if tokenizer.vocab_size != model.config.src_vocab:
         raise CheckpointError(f"{run_dir}: tokenizer.model has {tokenizer.vocab_size} "
