@@ -284,3 +284,20 @@ def test_reference_drops_out_where_ours_does(extras):
         assert mine.dropout1.p == theirs.dropout1.p == 0.1
         if hasattr(mine, "cross_attn"):
             assert mine.cross_attn.dropout == theirs.multihead_attn.dropout == attn
+
+
+@pytest.mark.parametrize("cuda, decodes", [(False, 1), (True, 3)])
+def test_the_warm_up_decodes_every_batch_on_a_gpu(cuda, decodes):
+    """A first call of each shape costs more on a GPU (the H200's first decode round was 9x slower than the later
+    ones): there the warm-up decodes every batch, each model and ours with the cache; on the CPU one batch."""
+    import types
+
+    from transformer.cli.bench import _Bench
+    calls = []
+    stub = types.SimpleNamespace(models={"ours": None, "nn": None}, batches=[0, 1], decode_srcs=[0, 1, 2], cuda=cuda,
+                                 step=lambda name, i: calls.append(("step", name, i)),
+                                 decode=lambda name, i, cache=False: calls.append(("decode", name, i, cache)))
+    _Bench.warm_up(stub, 1, False)
+    for name, cache in (("ours", False), ("nn", False), ("ours", True)):
+        assert [c[2] for c in calls if c[:2] == ("decode", name) and c[3] == cache] == list(range(decodes))
+    assert [c for c in calls if c[0] == "step"] == [("step", n, i) for n in ("ours", "nn") for i in (0, 1)]
