@@ -115,15 +115,16 @@ class _Bench:
                 model.generator.bias[EOS] = eos_logit
 
     def warm_up(self, passes: int, compile: bool) -> None:
+        # on a GPU every decode batch once: a first call of each shape costs more there
+        decodes = range(len(self.decode_srcs) if self.cuda else 1)
         for name in self.models:
             # at least one step of every shape (compile)
             for _ in range(max(passes, 1)):
                 for i in range(len(self.batches) if (compile or passes) else 1):
                     self.step(name, i)
-            # on a GPU every decode batch once: a first call of each shape costs more there
-            for i in range(len(self.decode_srcs) if self.cuda else 1):
+            for i in decodes:
                 self.decode(name, i)
-        for i in range(len(self.decode_srcs) if self.cuda else 1):
+        for i in decodes:
             self.decode("ours", i, cache=True)
 
     def rounds(self, repeats: int, log) -> tuple[dict, dict, list]:
