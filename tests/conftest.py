@@ -196,7 +196,7 @@ def copier_run(tmp_path_factory) -> Path:
     # 57-59 of test_decoding's 60 held-out inputs by greedy, beam 4 and beam 3 without a length penalty
     # (worst: seed 3, 57 by beam 3)
     def build(out):
-        from test_decoding import copy_examples
+        from copy_task import copy_examples
 
         from transformer.engine.loop import RunConfig, train
         from transformer.model import Transformer, TransformerConfig
@@ -206,7 +206,7 @@ def copier_run(tmp_path_factory) -> Path:
             torch.manual_seed(0)
             model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
                                                   n_layers=2, dropout=0.0, max_len=64, norm_first=True))
-            result = train(model, copy_examples(3000, seed=1), copy_examples(100, seed=2),
+            result = train(model, copy_examples(3000, seed=1, hi=6), copy_examples(100, seed=2, hi=6),
                            RunConfig(batch_tokens=1024, max_steps=250, warmup=50, lr_scale=0.2, eval_every=50,
                                        label_smoothing=0.0), out_dir=out, progress=False)
         finally:

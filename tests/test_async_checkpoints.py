@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from test_one_final_evaluation import examples
+from copy_task import copy_examples as examples
 
 import transformer.engine.checkpoints as checkpoints
 from transformer.engine.checkpoints import (

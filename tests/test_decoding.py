@@ -5,6 +5,7 @@ import random
 
 import pytest
 import torch
+from copy_task import copy_examples as _copy_examples
 
 from transformer.decoding import greedy_search as plain_greedy_search
 from transformer.decoding import length_penalty
@@ -16,13 +17,9 @@ from transformer.tokens import BOS, EOS, PAD, Tokenizer, pad_batch
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def copy_examples(n, seed, vocab=16, lo=3, hi=6):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
+def copy_examples(n, seed):
+    "The copier's task (tests/conftest.py's copier_run): 3 to 6 ids."
+    return _copy_examples(n, seed, hi=6)
 
 
 @pytest.fixture(scope="module")

@@ -5,6 +5,7 @@ import json
 
 import pytest
 import torch
+from copy_task import copy_examples
 
 from transformer.__main__ import main
 from transformer.engine.checkpoints import model_from_checkpoint, save_checkpoint
@@ -166,23 +167,13 @@ def test_bad_inputs():
         model(src.float(), tgt)
 
 
-def copy_examples(n, seed, vocab=16):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, vocab, (int(torch.randint(3, 7, (1,), generator=g)),),
-                          generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
-
-
 @pytest.mark.slow
 def test_the_decoder_only_model_learns_to_copy(tmp_path):
     torch.manual_seed(0)
     model = DecoderOnly(DecoderOnlyConfig(src_vocab=16, tgt_vocab=16, d_model=32, d_ff=128, h=4,
                                           n_layers=2, dropout=0.0, max_len=64, norm_first=True,
                                           arch="prefix-lm"))
-    result = train(model, copy_examples(3000, 1), copy_examples(100, 2),
+    result = train(model, copy_examples(3000, 1, hi=6), copy_examples(100, 2, hi=6),
                    RunConfig(batch_tokens=512, max_steps=450, warmup=50, lr_scale=0.3,
                                eval_every=200, label_smoothing=0.0),
                    out_dir=tmp_path, progress=False)
@@ -193,7 +184,7 @@ def test_the_decoder_only_model_learns_to_copy(tmp_path):
     # OMP_NUM_THREADS=1): val_nll 0.074 to 0.115 (worst: seed 3), 23 to 28 copies (worst: seeds 2 and 5);
     # untrained 3.6 to 4.0, 200 steps of 1024 tokens 0.47 to 0.62 and 9 to 13 copies
     assert last["val_nll"] < 0.25        # worst 0.115: a margin of 0.13
-    held = copy_examples(30, 5)
+    held = copy_examples(30, 5, hi=6)
     src, _ = pad_batch([s for s, _ in held])
     got = greedy_search(model.eval(), src)
     assert sum(g == t[1:-1] for g, (_, t) in zip(got, held)) >= 18   # worst 23: a margin of 5

@@ -5,28 +5,22 @@ never waits for the device (CUDA's sync debug mode turns any host sync into an e
 compiled by inductor into a bounded number of graphs, NCCL DDP against one process (two GPUs or
 more), decoding on the device equal to the CPU's, and the benchmark with its MFU. README says
 where these last ran."""
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
+from copy_task import copy_examples as _copy_examples
+from copy_task import free_port
 
 from transformer.engine.loop import RunConfig, _Loop, train
 from transformer.model import Transformer, TransformerConfig
-from transformer.tokens import BOS, EOS
 from transformer.training import collate
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
 
 
-def copy_examples(n, vocab=32, lo=3, hi=12, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
+def copy_examples(n, seed=0):
+    return _copy_examples(n, seed, vocab=32, hi=12)
 
 
 def config(**kw):
@@ -110,12 +104,6 @@ def test_decoding_on_the_gpu_matches_the_cpu():
     assert len(beam_search(gpu, src.to(CUDA), beam_size=4)) == 8
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _nccl_worker(rank, world_size, port, out_dir):
     import torch.distributed as dist
     torch.cuda.set_device(rank)
@@ -140,7 +128,7 @@ def test_nccl_ddp_matches_one_process(tmp_path):
                 quick(max_steps=6, batch_tokens=800, eval_every=6, log_every=1, accum_steps=2, amp=False),
                 out_dir=tmp_path / "one", progress=False)
     (tmp_path / "two").mkdir()
-    mp.spawn(_nccl_worker, args=(2, _free_port(), str(tmp_path / "two")), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port(), str(tmp_path / "two")), nprocs=2, join=True)
     expected = [r["loss"] for r in one.history if r["kind"] == "train"]
     for rank in range(2):
         assert torch.load(tmp_path / "two" / f"losses{rank}.pt") == pytest.approx(expected, rel=1e-3)

@@ -4,23 +4,13 @@ import types
 
 import pytest
 import torch
+from copy_task import copy_examples as examples
 
 import transformer.engine.loop as loop
 from transformer.engine.loop import RunConfig, train
 from transformer.model import Transformer, TransformerConfig
-from transformer.tokens import BOS, EOS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def examples(n, seed=0):
-    "Copy-task pairs (x EOS, BOS x EOS), x of 3-8 ids in 4..15; tests/test_async_checkpoints.py and test_step_proofs.py use it too."
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, 16, (int(torch.randint(3, 9, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + x + [EOS]))
-    return out
 
 
 @pytest.fixture

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
+from copy_task import copy_examples as examples
 from test_host_syncs import HostSyncs
-from test_one_final_evaluation import examples
 from torch import nn
 
 import transformer.engine.fast as fast

@@ -3,7 +3,6 @@ import json
 import math
 import os
 import signal
-import socket
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -11,6 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from copy_task import copy_examples, free_port
 
 from transformer.engine.checkpoints import (
     CHECKPOINT_FORMAT,
@@ -40,15 +40,6 @@ from transformer.training import (
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def copy_examples(n, vocab=16, lo=3, hi=8, seed=0, reverse=False):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        x = torch.randint(4, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
-        out.append((x + [EOS], [BOS] + (x[::-1] if reverse else x) + [EOS]))
-    return out
 
 
 def tiny_config(dropout=0.0, vocab=16, n_layers=2):
@@ -615,12 +606,6 @@ def test_train_bad_inputs(kwargs, match):
 
 # --- DDP --------------------------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ddp_plain(rank, out_dir):
     "One of two processes: 6 steps of 800 tokens (400 each), the losses it logged saved."
     torch.manual_seed(0)
@@ -654,7 +639,7 @@ def gloo_runs(tmp_path_factory):
         (out / name).mkdir()
     # forked, not spawned: the two processes start with torch and this package imported (a spawned
     # one imports them again, seconds of CPU each); each sets one thread before its first torch op
-    mp.start_processes(_gloo_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_gloo_worker, args=(2, free_port(), str(out)), nprocs=2, join=True, start_method="fork")
     return out
 
 
