@@ -38,8 +38,7 @@ def dropout_mask(like: Tensor, p: float) -> Tensor:
     draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF  # 4 per word, on [0, 2^15)
     cut = round(p * 2**15)  # drop when draw < cut: P = cut / 2^15
     scale = torch.tensor(2**15 / (2**15 - cut), dtype=like.dtype, device=like.device)
-    # 1/(1 - p') or 0, in the dtype of `like`
-    return torch.where(draws >= cut, scale, scale.new_zeros(()))
+    return torch.where(draws >= cut, scale, scale.new_zeros(()))  # in the dtype of `like`
 
 
 class Dropout(nn.Dropout):
@@ -67,9 +66,8 @@ def _no_blind_rows(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
 
 
 def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                      dropout_p: float = 0.0, need_weights: bool = False,
-                      is_causal: bool = False, blind_rows: bool = True
-                      ) -> tuple[Tensor, Tensor | None]:
+                      dropout_p: float = 0.0, need_weights: bool = False, is_causal: bool = False,
+                      blind_rows: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chapter 3's `scaled_dot_product_attention`, except that on a CPU bfloat16/float16
     inputs (or CPU autocast) go through the kernel in float32 and come back in the low
     precision: PyTorch's low-precision CPU kernel is several times slower at our sizes.
@@ -143,8 +141,7 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
         grads = [torch.empty_like(hidden), torch.zeros_like(weight, dtype=acc)]
         if bias is not None:
             grads.append(torch.zeros_like(bias, dtype=acc))
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        nll = torch.zeros((), dtype=acc, device=hidden.device)
+        loss, nll = (torch.zeros((), dtype=acc, device=hidden.device) for _ in range(2))
         for i in range(0, n, rows):  # a block of rows stays in the cache
             h = hidden[i:i + rows]                                  # (r, d_model)
             logp = F.linear(h, weight, bias).to(acc).log_softmax(-1)  # (r, V)
@@ -275,9 +272,8 @@ def cached_encoder_layer(layer: EncoderLayer, x: torch.Tensor, mask: torch.Tenso
     return residual(x, layer.feed_forward, layer.norm2, layer.dropout2, layer.norm_first)
 
 
-def cached_decoder_layer(layer: DecoderLayer, y: torch.Tensor, memory: torch.Tensor,
-                         memory_mask: torch.Tensor | None, caches: tuple[KVCache, KVCache],
-                         copies: int = 1) -> torch.Tensor:
+def cached_decoder_layer(layer: DecoderLayer, y: Tensor, memory: Tensor, memory_mask: Tensor | None,
+                         caches: tuple[KVCache, KVCache], copies: int = 1) -> Tensor:
     """Chapter 6's `DecoderLayer.forward` for new target positions `y` (each sees every
     earlier one: no mask); `caches`: the (self, cross) pair; `copies` rows of `y` per row
     of `memory` (see `cached_attention`)."""
@@ -446,9 +442,8 @@ def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: floa
     return [until_eos(row[1:]) if row[0] else [] for row in rows]
 
 
-def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
-              beam_size: int = 4, alpha: float = 0.6, extra_len: int = 50,
-              batch_size: int = 64) -> list[str]:
+def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str], beam_size: int = 4,
+              alpha: float = 0.6, extra_len: int = 50, batch_size: int = 64) -> list[str]:
     """Raw source texts -> raw target texts. `beam_size` (default 4, the paper's, as
     everywhere in the package and the command line's `--beam`; 1: greedy search), length
     penalty `alpha` (default 0.6)."""
