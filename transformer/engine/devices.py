@@ -135,8 +135,7 @@ class DeviceError(UserError, ValueError):
 
 def mps_available() -> bool:
     "Whether torch can use Apple silicon's GPU here (macOS 12.3 or later, an MPS build)."
-    mps = getattr(torch.backends, "mps", None)
-    return mps is not None and mps.is_available()
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
 def pick_device(name: str = "auto", compile: bool = False) -> torch.device:
@@ -250,14 +249,12 @@ class StopRequest:
     runtimes send) asks the loop to stop after the current step and save; a second one
     aborts at once."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self):
         self.requested, self.signum, self._previous = False, None, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
