@@ -326,8 +326,7 @@ def _start(model: Transformer, src: Tensor, copies: int, cache: bool, capacity: 
     if cache:   # one row of memory per source, shared by its copies
         return CachedDecoder(model, memory, src_mask, capacity, copies)
     if copies > 1:
-        memory, src_mask = (memory.repeat_interleave(copies, 0),
-                            src_mask.repeat_interleave(copies, 0))
+        memory, src_mask = (t.repeat_interleave(copies, 0) for t in (memory, src_mask))
     return PrefixDecoder(model, memory, src_mask)
 
 
