@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import itertools
 import os
 import queue
 import signal
@@ -31,12 +32,9 @@ def cpu_has_bf16_units() -> bool:
     training up: Intel's AMX tiles, or AVX-512 BF16 dot products (AMD Zen 4 and later,
     Intel Cooper Lake and later)."""
     for name in ("_is_amx_tile_supported", "_is_avx512_bf16_supported"):
-        probe = getattr(torch.cpu, name, None)  # private, so asked for carefully
-        try:
-            if probe is not None and probe():
+        with contextlib.suppress(Exception):  # private, so asked for carefully
+            if getattr(torch.cpu, name)():
                 return True
-        except Exception:
-            pass
     return False
 
 
@@ -55,8 +53,7 @@ def init_distributed(device_type: str = "cpu") -> tuple[int, int, int]:
         return 0, 1, 0
     if not dist.is_initialized():
         dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
-    return (dist.get_rank(), dist.get_world_size(),
-            int(os.environ.get("LOCAL_RANK", "0")))
+    return *world(), int(os.environ.get("LOCAL_RANK", "0"))
 
 
 @dataclass
@@ -88,16 +85,15 @@ class Precision:
         if self.scaler is not None:
             self.scaler.step(optimizer)      # the scaler's own found_inf, on the device
             self.scaler.update()
-            return
-        if not optimizer.param_groups[0].get("fused"):
+        elif not optimizer.param_groups[0].get("fused"):
             if not found_inf.item():         # other kernels: ask (a host sync)
                 optimizer.step()
-            return
-        optimizer.found_inf = found_inf  # the fused kernel reads it, as for GradScaler
-        try:
-            optimizer.step()
-        finally:
-            del optimizer.found_inf
+        else:
+            optimizer.found_inf = found_inf  # the fused kernel reads it, as for GradScaler
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
 
 
 def choose_precision(device: torch.device, amp: bool = True,
@@ -139,8 +135,7 @@ class DeviceError(UserError, ValueError):
 
 def mps_available() -> bool:
     "Whether torch can use Apple silicon's GPU here (macOS 12.3 or later, an MPS build)."
-    mps = getattr(torch.backends, "mps", None)
-    return mps is not None and mps.is_available()
+    return getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
 
 
 def pick_device(name: str = "auto", compile: bool = False) -> torch.device:
@@ -183,8 +178,7 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
     threaded = pin if threaded is None else threaded
 
     def ready(item):
-        tensors = make(item)
-        return tuple(t.pin_memory() for t in tensors) if pin else tuple(tensors)
+        return tuple(t.pin_memory() if pin else t for t in make(item))
 
     def to_device(tensors):
         return tuple(t.to(device, non_blocking=pin) for t in tensors)
@@ -215,10 +209,8 @@ def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
     finally:
         stop.set()
         while worker.is_alive():             # free a worker blocked on a full queue
-            try:
+            with contextlib.suppress(queue.Empty):
                 ahead.get_nowait()
-            except queue.Empty:
-                pass
             worker.join(0.01)
 
 # %% ../../book/f_devices.ipynb #fdev-alloc
@@ -257,14 +249,12 @@ class StopRequest:
     runtimes send) asks the loop to stop after the current step and save; a second one
     aborts at once."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
     def __init__(self):
         self.requested, self.signum, self._previous = False, None, {}
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for signum in self.SIGNALS:
+            for signum in (signal.SIGINT, signal.SIGTERM):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -272,9 +262,8 @@ class StopRequest:
         if self.requested:
             raise KeyboardInterrupt
         self.requested, self.signum = True, signum
-        print(f"\n{signal.Signals(signum).name}: "
-              "stopping after this step, saving last.pt "
-              f"(send it again to abort)", file=sys.stderr, flush=True)
+        print(f"\n{signal.Signals(signum).name}: stopping after this step, saving last.pt "
+              "(send it again to abort)", file=sys.stderr, flush=True)
 
     def __exit__(self, *exc):
         for signum, previous in self._previous.items():
@@ -326,8 +315,4 @@ def peak_memory(fn, device: torch.device) -> int:
                     for e in prof.profiler.kineto_results.events()
                     if e.name() == "[memory]"
                     and e.device_type() == torch.autograd.DeviceType.CPU)
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return max(itertools.accumulate((nbytes for _, nbytes in events), initial=0))

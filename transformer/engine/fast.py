@@ -35,12 +35,10 @@ def dropout_mask(like: Tensor, p: float) -> Tensor:
     n = like.numel()
     # uniform on [0, 2^63)
     words = torch.empty((n + 3) // 4, dtype=torch.int64, device=like.device).random_()
-    # 4 per word, each uniform on [0, 2^15)
-    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF
+    draws = words.view(torch.int16)[:n].view(like.shape) & 0x7FFF  # 4 per word, on [0, 2^15)
     cut = round(p * 2**15)  # drop when draw < cut: P = cut / 2^15
     scale = torch.tensor(2**15 / (2**15 - cut), dtype=like.dtype, device=like.device)
-    # 1/(1 - p') or 0, in the dtype of `like`
-    return torch.where(draws >= cut, scale, scale.new_zeros(()))
+    return torch.where(draws >= cut, scale, scale.new_zeros(()))  # in the dtype of `like`
 
 
 class Dropout(nn.Dropout):
@@ -55,9 +53,6 @@ class Dropout(nn.Dropout):
         return x * dropout_mask(x, self.p)
 
 # %% ../../book/d_2_fast.ipynb #f002
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 def _no_blind_rows(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
                    dropout_p: float = 0.0, need_weights: bool = False,
                    is_causal: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -71,9 +66,8 @@ def _no_blind_rows(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
 
 
 def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None = None,
-                      dropout_p: float = 0.0, need_weights: bool = False,
-                      is_causal: bool = False, blind_rows: bool = True
-                      ) -> tuple[Tensor, Tensor | None]:
+                      dropout_p: float = 0.0, need_weights: bool = False, is_causal: bool = False,
+                      blind_rows: bool = True) -> tuple[Tensor, Tensor | None]:
     """Chapter 3's `scaled_dot_product_attention`, except that on a CPU bfloat16/float16
     inputs (or CPU autocast) go through the kernel in float32 and come back in the low
     precision: PyTorch's low-precision CPU kernel is several times slower at our sizes.
@@ -83,7 +77,7 @@ def float32_attention(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | 
     attend = scaled_dot_product_attention if blind_rows else _no_blind_rows
     low = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
            else query.dtype)
-    if query.device.type != "cpu" or need_weights or low not in _LOW_PRECISION:
+    if query.device.type != "cpu" or need_weights or low not in (torch.bfloat16, torch.float16):
         return attend(query, key, value, mask, dropout_p, need_weights, is_causal)
     with torch.autocast("cpu", enabled=False):        # float32 inside, whatever autocast says
         out, _ = attend(query.float(), key.float(), value.float(), mask, dropout_p,
@@ -147,8 +141,7 @@ class _FusedSmoothedCrossEntropy(torch.autograd.Function):
         grads = [torch.empty_like(hidden), torch.zeros_like(weight, dtype=acc)]
         if bias is not None:
             grads.append(torch.zeros_like(bias, dtype=acc))
-        loss = torch.zeros((), dtype=acc, device=hidden.device)
-        nll = torch.zeros((), dtype=acc, device=hidden.device)
+        loss, nll = (torch.zeros((), dtype=acc, device=hidden.device) for _ in range(2))
         for i in range(0, n, rows):  # a block of rows stays in the cache
             h = hidden[i:i + rows]                                  # (r, d_model)
             logp = F.linear(h, weight, bias).to(acc).log_softmax(-1)  # (r, V)
@@ -217,11 +210,10 @@ class KVCache:
             raise ValueError(f"capacity={capacity!r} must be a positive int (the longest "
                              "sequence to decode)")
         self.capacity, self.fixed, self.length = capacity, fixed, 0
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
 
-    def append(self, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         "Store keys and values (B, heads, n, d); return all so far (views, (B, heads, length, d))."
         if self.k is None:
             B, heads, n, d = k.shape
@@ -241,11 +233,10 @@ class KVCache:
         self.length = end
         return self.k[:, :, :end], self.v[:, :, :end]
 
-    def reorder(self, index: torch.Tensor) -> None:
+    def reorder(self, index: Tensor) -> None:
         "Row i now continues row index[i] (beam search)."
         if self.k is not None:
-            self.k = self.k.index_select(0, index)
-            self.v = self.v.index_select(0, index)
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
     @property
     def nbytes(self) -> int:
@@ -253,9 +244,8 @@ class KVCache:
         return sum(t.nbytes for t in (self.k, self.v) if t is not None)
 
 
-def cached_attention(attn: MultiHeadAttention, query: torch.Tensor, kv: torch.Tensor,
-                     cache: KVCache, mask: torch.Tensor | None = None,
-                     copies: int = 1) -> torch.Tensor:
+def cached_attention(attn: MultiHeadAttention, query: Tensor, kv: Tensor, cache: KVCache,
+                     mask: Tensor | None = None, copies: int = 1) -> Tensor:
     """Chapter 4's `attn` for new queries over every key and value so far: `kv`'s keys and
     values are appended to `cache` (a `fixed` cache: the first call's, then only read).
     `copies > 1`: the cache holds one row per source and the queries `copies` rows per
@@ -282,9 +272,8 @@ def cached_encoder_layer(layer: EncoderLayer, x: torch.Tensor, mask: torch.Tenso
     return residual(x, layer.feed_forward, layer.norm2, layer.dropout2, layer.norm_first)
 
 
-def cached_decoder_layer(layer: DecoderLayer, y: torch.Tensor, memory: torch.Tensor,
-                         memory_mask: torch.Tensor | None, caches: tuple[KVCache, KVCache],
-                         copies: int = 1) -> torch.Tensor:
+def cached_decoder_layer(layer: DecoderLayer, y: Tensor, memory: Tensor, memory_mask: Tensor | None,
+                         caches: tuple[KVCache, KVCache], copies: int = 1) -> Tensor:
     """Chapter 6's `DecoderLayer.forward` for new target positions `y` (each sees every
     earlier one: no mask); `caches`: the (self, cross) pair; `copies` rows of `y` per row
     of `memory` (see `cached_attention`)."""
@@ -305,8 +294,7 @@ class CachedDecoder:
 
     def __init__(self, model: Transformer, memory: torch.Tensor,
                  src_mask: torch.Tensor, capacity: int | None = None, copies: int = 1):
-        self.model, self.memory, self.src_mask = model, memory, src_mask
-        self.copies = copies
+        self.model, self.memory, self.src_mask, self.copies = model, memory, src_mask, copies
         self.caches = [(KVCache(capacity or model.config.max_len), KVCache(fixed=True))
                        for _ in model.decoder.layers]
 
@@ -327,8 +315,7 @@ class CachedDecoder:
             self_cache.reorder(index)
 
 # %% ../../book/d_2_fast.ipynb #bs001
-def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
-           capacity: int | None = None):
+def _start(model: Transformer, src: Tensor, copies: int, cache: bool, capacity: int):
     """Encode once; return the decoder state for `copies` rows per sentence: `CachedDecoder`,
     or with `cache=False` chapter 9's `PrefixDecoder`. A model that decodes its own way
     (chapter 19.1's `DecoderOnly`) answers `decoding_state`."""
@@ -339,8 +326,7 @@ def _start(model: Transformer, src: torch.Tensor, copies: int, cache: bool,
     if cache:   # one row of memory per source, shared by its copies
         return CachedDecoder(model, memory, src_mask, capacity, copies)
     if copies > 1:
-        memory, src_mask = (memory.repeat_interleave(copies, 0),
-                            src_mask.repeat_interleave(copies, 0))
+        memory, src_mask = (t.repeat_interleave(copies, 0) for t in (memory, src_mask))
     return PrefixDecoder(model, memory, src_mask)
 
 
@@ -382,9 +368,8 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
 
 
 @torch.no_grad()
-def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
-                alpha: float = 0.6, extra_len: int = 50,
-                cache: bool = True) -> list[list[int]]:
+def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: float = 0.6,
+                extra_len: int = 50, cache: bool = True) -> list[list[int]]:
     ("Batched beam search with GNMT's length penalty: source ids (B, S) -> "
      "B lists of output ids. `beam_size` beams (default 4, the paper's), length "
      "penalty `alpha` (default 0.6).")
@@ -413,7 +398,16 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
         cand = (scores[:, :, None] + logp.view(B, K, V)).view(B, K * V)  # (B, K*V)
         top, flat = cand.topk(min(2 * K, K * V), dim=-1)  # (B, 2K) best extensions
         beam, token = flat // V, flat % V
-        keep, finish = _beam_step(top, token, done, t + 1 >= limit, K)
+        # `keep` (go on): the K best that are not EOS, none once the output is full; `finish`
+        # (B, 4K): an EOS among the top K, then, when the output is full, the kept ones
+        live = torch.isfinite(top) & ~done[:, None]
+        eos = live & (token == EOS)
+        keep = live & ~eos
+        keep &= keep.long().cumsum(-1) <= K
+        full = (t + 1 >= limit)[:, None]                                 # (B, 1)
+        first_k = torch.arange(top.size(1), device=device) < K
+        finish = torch.cat([eos & first_k, keep & full], 1)              # (B, 4K)
+        keep &= ~full
         # the best hypothesis that finished now; a tie keeps the earlier one
         now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
                ).masked_fill(~finish, -math.inf)                         # (B, 4K)
@@ -447,23 +441,8 @@ def beam_search(model: Transformer, src: torch.Tensor, beam_size: int = 4,
     return [until_eos(row[1:]) if row[0] else [] for row in rows]
 
 
-def _beam_step(top: torch.Tensor, token: torch.Tensor, done: torch.Tensor,
-               full: torch.Tensor, K: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the 2K best extensions (B, 2K) of each sentence go on (`keep`: the K
-    best that are not EOS, none once the output is `full`) and which finish (B, 4K):
-    an EOS among the top K, then, when the output is full, the kept ones."""
-    live = torch.isfinite(top) & ~done[:, None]
-    eos = live & (token == EOS)
-    keep = live & ~eos
-    keep &= keep.long().cumsum(-1) <= K
-    first_k = torch.arange(top.size(1), device=top.device) < K
-    at_limit = keep & full[:, None]
-    return keep & ~full[:, None], torch.cat([eos & first_k, at_limit], 1)
-
-
-def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str],
-              beam_size: int = 4, alpha: float = 0.6, extra_len: int = 50,
-              batch_size: int = 64) -> list[str]:
+def translate(model: Transformer, tokenizer: Tokenizer, texts: list[str], beam_size: int = 4,
+              alpha: float = 0.6, extra_len: int = 50, batch_size: int = 64) -> list[str]:
     """Raw source texts -> raw target texts. `beam_size` (default 4, the paper's, as
     everywhere in the package and the command line's `--beam`; 1: greedy search), length
     penalty `alpha` (default 0.6)."""
