@@ -229,8 +229,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
     train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
     decode_sps = {k: [n_decode / t for t in v] for k, v in decode_s.items()}
     cached_sps = [n_decode / t for t in cached_s]
-    flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1)
-                for s, t in b.batches)
+    flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1) for s, t in b.batches)
     tflops = {k: flops * statistics.median(v) / tokens / 1e12 for k, v in train_tps.items()}
     train_ratio = [x / y for x, y in zip(train_tps["ours"], train_tps["nn"])]
     decode_ratio = [x / y for x, y in zip(decode_sps["ours"], decode_sps["nn"])]
@@ -239,18 +238,15 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
         "config": b.config.to_dict(),
         "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size,
                  "max_tokens": max_tokens,
-                 "batch_shapes": [[s.size(0), s.size(1), t.size(1)]
-                                  for s, t in b.batches],
+                 "batch_shapes": [[s.size(0), s.size(1), t.size(1)] for s, t in b.batches],
                  "target_tokens": tokens, "decode_sentences": n_decode},
-        "train": {"ours_tokens_per_s": train_tps["ours"],
-                  "nn_tokens_per_s": train_tps["nn"],
+        "train": {"ours_tokens_per_s": train_tps["ours"], "nn_tokens_per_s": train_tps["nn"],
                   "ratio": train_ratio, "median_ratio": statistics.median(train_ratio)},
         "decode": {"ours_sentences_per_s": decode_sps["ours"],
                    "nn_sentences_per_s": decode_sps["nn"],
                    "generated_tokens": generated, "ratio": decode_ratio,
                    "median_ratio": statistics.median(decode_ratio),
-                   "ours_cached_sentences_per_s": cached_sps,
-                   "cached_ratio": cached_ratio,
+                   "ours_cached_sentences_per_s": cached_sps, "cached_ratio": cached_ratio,
                    "cached_median_ratio": statistics.median(cached_ratio)},
         "memory": {"method": ("torch.cuda.max_memory_allocated" if b.cuda else
                               "torch.profiler allocation events "
@@ -260,8 +256,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
                    "decode_peak_bytes": mem_decode,
                    "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
         "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"],
-                  "nn_tflops": tflops["nn"],
-                  "peak_tflops_assumed": peak,
+                  "nn_tflops": tflops["nn"], "peak_tflops_assumed": peak,
                   "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
                   "note": "matmul FLOPs counted from the padded shapes; " + (
                       "peak is an assumption from the vendor's dense bf16 figure for this "
