@@ -54,8 +54,7 @@ class _Job:
         self.started = time.monotonic()
         # an evaluation's stdout (its JSON line) goes to a file, not a pipe: a pipe read
         # only at the end would block a child that writes more than the pipe holds
-        self.stdout = (tempfile.TemporaryFile("w+") if variant.command == "evaluate"
-                       else self.log)
+        self.stdout = tempfile.TemporaryFile("w+") if variant.command == "evaluate" else self.log
         # its own session: a Ctrl-C reaches the sweep alone, which then sends each
         # child one SIGTERM (a second signal would cut a child's final save short)
         self.proc = subprocess.Popen(self.cmd, stdout=self.stdout, stderr=self.log,
@@ -63,9 +62,8 @@ class _Job:
 
     def _record(self, name: str, record: dict) -> None:
         "Write results.json or failed.json under the run's lock."
-        record = {**record, "command": shlex.join(self.cmd[1:])}
         with run_lock(self.dir):
-            write_json(self.dir / name, record)
+            write_json(self.dir / name, {**record, "command": shlex.join(self.cmd[1:])})
 
     def finish(self) -> bool:
         """After the process ended: write an evaluation's results, or failed.json (the
