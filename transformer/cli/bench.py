@@ -361,9 +361,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
-    for name in ("repeats", "batches", "decode_sentences", "vocab_size", "max_tokens",
-                 "threads", "warmup"):
-        value, least = getattr(args, name), int(name != "warmup")
+    for name, least in (("repeats", 1), ("batches", 1), ("decode_sentences", 1),
+                        ("vocab_size", 1), ("max_tokens", 1), ("threads", 1), ("warmup", 0)):
+        value = getattr(args, name)
         if value is not None and value < least:   # None: the preset's, torch's
             p.error(f"--{name.replace('_', '-')}={value} must be >= {least}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
