@@ -64,15 +64,13 @@ class _Bench:
         ours = Transformer(self.config)
         self.models = {"ours": speed_up(ours).to(dev),  # the fast paths, as train
                        "nn": copy_weights(ours, TorchTransformer(self.config)).to(dev)}
-        self.optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4,
-                                               betas=(0.9, 0.98), eps=1e-9,
-                                               fused=self.cuda or None)
+        self.optimizers = {k: torch.optim.Adam(m.parameters(), lr=1e-4, betas=(0.9, 0.98),
+                                               eps=1e-9, fused=self.cuda or None)
                            for k, m in self.models.items()}
-        losses = {k: FastSeq2SeqLoss(m, 0.1) for k, m in self.models.items()}
+        self.losses = {k: FastSeq2SeqLoss(m, 0.1) for k, m in self.models.items()}
         if compile:
             inductor_workarounds()  # appendix F
-        self.losses = {k: (torch.compile(c) if compile else c)
-                       for k, c in losses.items()}
+            self.losses = {k: torch.compile(c) for k, c in self.losses.items()}
         self.generated = {}
 
     def timed(self, fn) -> float:
@@ -96,12 +94,10 @@ class _Bench:
         model, src = self.models[name].eval(), self.decode_srcs[i]
 
         def run():
-            with torch.autocast(self.dev.type, dtype=torch.bfloat16,
-                                enabled=self.autocast):
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.autocast):
                 out = greedy_search(model, src, extra_len=DECODE_EXTRA, cache=cache)
             key = name + (" cached" if cache else "")
-            self.generated[key] = (self.generated.get(key, 0)
-                                   + sum(len(ids) for ids in out))
+            self.generated[key] = self.generated.get(key, 0) + sum(len(ids) for ids in out)
         # An untrained model may say EOS at once and time nothing: forbid EOS, so
         # every sentence runs to its length limit (source length + DECODE_EXTRA),
         # the same work in both models and in every round.
@@ -156,36 +152,18 @@ class _Bench:
         mem_train, mem_decode = {}, {}
         for name, model in self.models.items():
             model.train()
-            mem_train[name] = peak_memory(
-                lambda model=model, name=name: train_step(
-                    model, self.optimizers[name], *biggest, self.autocast, self.losses[name]),
-                self.dev)
+            mem_train[name] = peak_memory(lambda model=model, name=name: train_step(
+                model, self.optimizers[name], *biggest, self.autocast, self.losses[name]), self.dev)
             model.eval()
-            with torch.autocast(self.dev.type, dtype=torch.bfloat16,
-                                enabled=self.autocast):
-                mem_decode[name] = peak_memory(
-                    lambda model=model: greedy_search(model, self.decode_srcs[0],
-                                          extra_len=DECODE_EXTRA, cache=False),
-                    self.dev)
+            with torch.autocast(self.dev.type, dtype=torch.bfloat16, enabled=self.autocast):
+                mem_decode[name] = peak_memory(lambda model=model: greedy_search(
+                    model, self.decode_srcs[0], extra_len=DECODE_EXTRA, cache=False), self.dev)
         return mem_train, mem_decode
 
 
-def _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset) -> None:
-    for name, value in (("repeats", repeats), ("n_batches", n_batches),
-                        ("decode_sentences", decode_sentences)):
-        if not is_int(value) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an int >= 1")
-    if not is_int(warmup) or warmup < 0:
-        raise ValueError(f"warmup={warmup!r} must be an int >= 0")
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; "
-                         f"known presets: {', '.join(PRESETS)}")
-
-
-def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
-              n_batches: int = 2, max_tokens: int | None = None, vocab_size: int = 8000,
-              decode_sentences: int = 32, compile: bool = False,
-              threads: int | None = None, peak_tflops: float | None = None,
+def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_batches: int = 2,
+              max_tokens: int | None = None, vocab_size: int = 8000, decode_sentences: int = 32,
+              compile: bool = False, threads: int | None = None, peak_tflops: float | None = None,
               bf16: bool | None = None, seed: int = 0, log=None, warmup: int = 2,
               keep_memory: bool = True) -> dict:
     """Time our `Transformer` against `TorchTransformer` (same sizes, same weights, same
@@ -201,7 +179,12 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
     (process-wide: it stays on after the call); the oneDNN kernel cache is capped as in
     `train` too (`cap_kernel_cache`). Returns a JSON-ready dict;
     `speedup_vs_nn` is the median training ratio."""
-    _check_bench_args(repeats, n_batches, decode_sentences, warmup, preset)
+    for name, value, least in (("repeats", repeats, 1), ("n_batches", n_batches, 1),
+                               ("decode_sentences", decode_sentences, 1), ("warmup", warmup, 0)):
+        if not is_int(value) or value < least:
+            raise ValueError(f"{name}={value!r} must be an int >= {least}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known presets: {', '.join(PRESETS)}")
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
     threads_before = torch.get_num_threads()
     if threads is not None:
@@ -209,22 +192,18 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
     try:
         started = time.perf_counter()
         dev = pick_device(device, compile)             # appendix F: auto, cuda, mps, cpu
-        cuda = dev.type == "cuda"
+        cuda, on_cpu = dev.type == "cuda", dev.type == "cpu"
         # bf16 by default on CUDA and on CPUs with bf16 units; float32 on MPS
-        autocast = ((cuda or (dev.type == "cpu" and cpu_has_bf16_units()))
-                    if bf16 is None else bool(bf16))
-        # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast
-        # for the rest
+        autocast = (cuda or (on_cpu and cpu_has_bf16_units())) if bf16 is None else bool(bf16)
+        # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast for the rest
         fast_kernels(dev)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
         # as `train` does on CPU
-        on_cpu = dev.type == "cpu"
         env["keep_freed_memory"] = on_cpu and keep_memory and keep_freed_memory()
         if on_cpu:
             cap_kernel_cache()      # effective if nothing ran a oneDNN kernel before
-        log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} "
-            "slots ...")
+        log(f"bench: tokenizer and {n_batches} Multi30k batches of <= {max_tokens} slots ...")
         data = bench_data(n_batches, max_tokens, vocab_size, seed=seed)
         b = _Bench(preset, dev, data, decode_sentences, autocast, compile, seed)
         log(f"bench: warm-up, {max(warmup, 1)} pass(es) over the batches per model"
@@ -235,9 +214,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5,
         memory = b.memory()
         peak = (peak_tflops if peak_tflops is not None
                 else (assumed_peak_tflops(env["device_name"]) if cuda else None))
-        return {**env, "preset": preset, "compile": compile,
-                "bf16_autocast": autocast, "tf32": cuda,
-                **_bench_result(b, data, max_tokens, seconds, memory, peak),
+        return {**env, "preset": preset, "compile": compile, "bf16_autocast": autocast,
+                "tf32": cuda, **_bench_result(b, data, max_tokens, seconds, memory, peak),
                 "repeats": repeats, "warmup_passes": warmup,
                 "wall_s": time.perf_counter() - started}
     finally:
@@ -251,8 +229,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
     train_tps = {k: [tokens / t for t in v] for k, v in train_s.items()}
     decode_sps = {k: [n_decode / t for t in v] for k, v in decode_s.items()}
     cached_sps = [n_decode / t for t in cached_s]
-    flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1)
-                for s, t in b.batches)
+    flops = sum(train_flops(b.config, s.size(0), s.size(1), t.size(1) - 1) for s, t in b.batches)
     tflops = {k: flops * statistics.median(v) / tokens / 1e12 for k, v in train_tps.items()}
     train_ratio = [x / y for x, y in zip(train_tps["ours"], train_tps["nn"])]
     decode_ratio = [x / y for x, y in zip(decode_sps["ours"], decode_sps["nn"])]
@@ -261,18 +238,15 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
         "config": b.config.to_dict(),
         "data": {"corpus": "multi30k de-en train", "vocab_size": data.vocab_size,
                  "max_tokens": max_tokens,
-                 "batch_shapes": [[s.size(0), s.size(1), t.size(1)]
-                                  for s, t in b.batches],
+                 "batch_shapes": [[s.size(0), s.size(1), t.size(1)] for s, t in b.batches],
                  "target_tokens": tokens, "decode_sentences": n_decode},
-        "train": {"ours_tokens_per_s": train_tps["ours"],
-                  "nn_tokens_per_s": train_tps["nn"],
+        "train": {"ours_tokens_per_s": train_tps["ours"], "nn_tokens_per_s": train_tps["nn"],
                   "ratio": train_ratio, "median_ratio": statistics.median(train_ratio)},
         "decode": {"ours_sentences_per_s": decode_sps["ours"],
                    "nn_sentences_per_s": decode_sps["nn"],
                    "generated_tokens": generated, "ratio": decode_ratio,
                    "median_ratio": statistics.median(decode_ratio),
-                   "ours_cached_sentences_per_s": cached_sps,
-                   "cached_ratio": cached_ratio,
+                   "ours_cached_sentences_per_s": cached_sps, "cached_ratio": cached_ratio,
                    "cached_median_ratio": statistics.median(cached_ratio)},
         "memory": {"method": ("torch.cuda.max_memory_allocated" if b.cuda else
                               "torch.profiler allocation events "
@@ -282,8 +256,7 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
                    "decode_peak_bytes": mem_decode,
                    "decode_ratio": mem_decode["ours"] / mem_decode["nn"]},
         "flops": {"train_flops_per_pass": flops, "ours_tflops": tflops["ours"],
-                  "nn_tflops": tflops["nn"],
-                  "peak_tflops_assumed": peak,
+                  "nn_tflops": tflops["nn"], "peak_tflops_assumed": peak,
                   "mfu": {k: v / peak for k, v in tflops.items()} if peak else None,
                   "note": "matmul FLOPs counted from the padded shapes; " + (
                       "peak is an assumption from the vendor's dense bf16 figure for this "
@@ -293,47 +266,38 @@ def _bench_result(b: _Bench, data, max_tokens, seconds, memory, peak) -> dict:
 
 # %% ../../book/d_1_bench.ipynb #r028
 def format_table(result: dict) -> str:
-    """A readable summary of `run_bench`'s result; its last line is
-    `speedup_vs_nn: X.XX`."""
-    tr, de, mem, fl = (result["train"], result["decode"], result["memory"],
-                       result["flops"])
-    med = statistics.median
-    mib = lambda b: b / 2**20
-    c = result["config"]
+    "A readable summary of `run_bench`'s result; its last line is `speedup_vs_nn: X.XX`."
+    tr, de, mem, fl = (result[k] for k in ("train", "decode", "memory", "flops"))
+    med, c, d = statistics.median, result["config"], result["data"]
+
+    def row(label, ours, nn, ratio=None, f=".1f"):  # nn None: an empty column
+        return (f"{label:26}{ours:12{f}}" + (f"{'':16}" if nn is None else f"{nn:16{f}}")
+                + ("" if ratio is None else f"{ratio:11.2f}"))
     lines = [
-        f"preset {result['preset']} (d_model={c['d_model']}, d_ff={c['d_ff']}, "
-        f"h={c['h']}, N={c['n_layers']}, "
-        f"vocab={c['src_vocab']}) on {result['device']} ({result['device_name']}, "
-        f"{result['threads']} threads), "
-        f"torch {result['torch']}" + (", torch.compile" if result["compile"] else "")
+        f"preset {result['preset']} (d_model={c['d_model']}, d_ff={c['d_ff']}, h={c['h']}, "
+        f"N={c['n_layers']}, vocab={c['src_vocab']}) on {result['device']} "
+        f"({result['device_name']}, {result['threads']} threads), torch {result['torch']}"
+        + (", torch.compile" if result["compile"] else "")
         + (", bf16 autocast" if result["bf16_autocast"] else "")
         + (", TF32" if result["tf32"] else ""),
-        f"{len(result['data']['batch_shapes'])} Multi30k batches of "
-        f"<= {result['data']['max_tokens']} slots, "
-        f"{result['data']['target_tokens']} target tokens; "
-        f"{result['repeats']} alternating repeats, medians",
+        f"{len(d['batch_shapes'])} Multi30k batches of <= {d['max_tokens']} slots, "
+        f"{d['target_tokens']} target tokens; {result['repeats']} alternating repeats, medians",
         "",
         f"{'':26}{'ours':>12}{'nn.Transformer':>16}{'ours / nn':>11}",
-        f"{'train target tokens/s':26}{med(tr['ours_tokens_per_s']):12.0f}"
-        f"{med(tr['nn_tokens_per_s']):16.0f}"
-        f"{tr['median_ratio']:11.2f}",
-        f"{'greedy decode sentences/s':26}{med(de['ours_sentences_per_s']):12.1f}"
-        f"{med(de['nn_sentences_per_s']):16.1f}"
-        f"{de['median_ratio']:11.2f}",
-        f"{'  ours with k/v cache':26}{med(de['ours_cached_sentences_per_s']):12.1f}"
-        f"{'':16}"
-        f"{de['cached_median_ratio']:11.2f}",
-        f"{'train peak memory MiB':26}{mib(mem['train_peak_bytes']['ours']):12.1f}"
-        f"{mib(mem['train_peak_bytes']['nn']):16.1f}{mem['train_ratio']:11.2f}",
-        f"{'decode peak memory MiB':26}{mib(mem['decode_peak_bytes']['ours']):12.1f}"
-        f"{mib(mem['decode_peak_bytes']['nn']):16.1f}{mem['decode_ratio']:11.2f}",
-        f"{'train TFLOP/s (matmuls)':26}{fl['ours_tflops']:12.3f}"
-        f"{fl['nn_tflops']:16.3f}",
+        row("train target tokens/s", med(tr["ours_tokens_per_s"]), med(tr["nn_tokens_per_s"]),
+            tr["median_ratio"], ".0f"),
+        row("greedy decode sentences/s", med(de["ours_sentences_per_s"]),
+            med(de["nn_sentences_per_s"]), de["median_ratio"]),
+        row("  ours with k/v cache", med(de["ours_cached_sentences_per_s"]), None,
+            de["cached_median_ratio"]),
+        *(row(f"{k} peak memory MiB", mem[f"{k}_peak_bytes"]["ours"] / 2**20,
+              mem[f"{k}_peak_bytes"]["nn"] / 2**20, mem[f"{k}_ratio"])
+          for k in ("train", "decode")),
+        row("train TFLOP/s (matmuls)", fl["ours_tflops"], fl["nn_tflops"], f=".3f"),
     ]
     if fl["mfu"]:
-        lines.append(f"{'MFU':26}{fl['mfu']['ours']:12.1%}{fl['mfu']['nn']:16.1%}"
-                     f"   (assumed peak {fl['peak_tflops_assumed']:.0f} TFLOP/s bf16: "
-                     "an assumption)")
+        lines.append(row("MFU", fl["mfu"]["ours"], fl["mfu"]["nn"], f=".1%") + "   (assumed peak "
+                     f"{fl['peak_tflops_assumed']:.0f} TFLOP/s bf16: an assumption)")
     lines += ["", f"speedup_vs_nn: {result['speedup_vs_nn']:.2f}"]
     return "\n".join(lines)
 
@@ -342,8 +306,7 @@ def _out_problem(path: Path) -> str | None:
     """Why `--out path` could not be written at the end of a run (None: it can), found
     before the run starts."""
     if path.is_dir():
-        return (f"{path} is a directory; name a file in it, "
-                f"e.g. --out {path / 'bench.json'}")
+        return f"{path} is a directory; name a file in it, e.g. --out {path / 'bench.json'}"
     if path.exists():                  # overwrite an earlier result, never another file
         try:
             ours = "speedup_vs_nn" in json.loads(path.read_text())
@@ -357,8 +320,7 @@ def _out_problem(path: Path) -> str | None:
     if not existing.is_dir():
         return (f"{existing} is a file, not a directory; write into a directory, "
                 f"e.g. --out {existing.parent / 'bench.json'}")
-    try:
-        # can we create a file there? (removed at once)
+    try:  # can we create a file there? (removed at once)
         with tempfile.TemporaryFile(dir=existing):
             pass
     except OSError as e:
@@ -367,24 +329,19 @@ def _out_problem(path: Path) -> str | None:
     return None
 
 
-def main(argv: list[str] | None = None,
-         prog: str = "python -m transformer bench") -> int:
-    """`python -m transformer bench`: print the table (or `--json`), last line
-    `speedup_vs_nn: X.XX`."""
+def main(argv: list[str] | None = None, prog: str = "python -m transformer bench") -> int:
+    "`python -m transformer bench`: print the table (or `--json`), last line `speedup_vs_nn: X.XX`."
     p = argparse.ArgumentParser(prog=prog, description=(
-        "Training-step and greedy-decode throughput and peak memory of our Transformer "
-        "vs torch.nn.Transformer "
-        "(same sizes, weights, embeddings, generator and Multi30k batches), "
-        "alternating runs, median ratios."))
+        "Training-step and greedy-decode throughput and peak memory of our Transformer vs "
+        "torch.nn.Transformer (same sizes, weights, embeddings, generator and Multi30k "
+        "batches), alternating runs, median ratios."))
     p.add_argument("--preset", default="small", choices=list(PRESETS))
     p.add_argument("--device", default="auto", choices=DEVICES)
-    p.add_argument("--repeats", type=int, default=5,
-                   help="alternating rounds (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="alternating rounds (default 5)")
     p.add_argument("--batches", type=int, default=2,
                    help="Multi30k batches per training pass (default 2)")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help=f"padded slots per batch "
-                        f"(default per preset: {DEFAULT_MAX_TOKENS})")
+                   help=f"padded slots per batch (default per preset: {DEFAULT_MAX_TOKENS})")
     p.add_argument("--vocab-size", type=int, default=8000)
     p.add_argument("--decode-sentences", type=int, default=32)
     p.add_argument("--compile", action="store_true",
@@ -399,22 +356,16 @@ def main(argv: list[str] | None = None,
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=2,
                    help="untimed passes over the batches per model (default 2)")
-    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction,
-                   default=True,
-                   help="on CPU, keep freed memory in malloc's heap, as `train` does "
-                        "(default: on)")
-    p.add_argument("--json", action="store_true",
-                   help="print one JSON object instead of the table")
-    p.add_argument("--out", type=Path, default=None,
-                   help="also write the JSON result to this file")
+    p.add_argument("--keep-freed-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="on CPU, keep freed memory in malloc's heap, as `train` does (default: on)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--out", type=Path, default=None, help="also write the JSON result to this file")
     args = p.parse_args(argv)
-    for name in ("repeats", "batches", "decode_sentences", "vocab_size", "max_tokens",
-                 "threads"):
+    for name, least in (("repeats", 1), ("batches", 1), ("decode_sentences", 1),
+                        ("vocab_size", 1), ("max_tokens", 1), ("threads", 1), ("warmup", 0)):
         value = getattr(args, name)
-        if value is not None and value < 1:   # None: the preset's, torch's
-            p.error(f"--{name.replace('_', '-')}={value} must be >= 1")
-    if args.warmup < 0:
-        p.error(f"--warmup={args.warmup} must be >= 0")
+        if value is not None and value < least:   # None: the preset's, torch's
+            p.error(f"--{name.replace('_', '-')}={value} must be >= {least}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
     try:
@@ -428,8 +379,7 @@ def main(argv: list[str] | None = None,
         result = run_bench(args.preset, args.device, args.repeats, args.batches,
                            args.max_tokens, args.vocab_size, args.decode_sentences,
                            args.compile, args.threads, args.peak_tflops, args.bf16,
-                           args.seed, warmup=args.warmup,
-                           keep_memory=args.keep_freed_memory)
+                           args.seed, warmup=args.warmup, keep_memory=args.keep_freed_memory)
     except ValueError as e:
         p.error(str(e))
     result["command"] = " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
@@ -440,8 +390,7 @@ def main(argv: list[str] | None = None,
             write_json(args.out, result)
         except OSError as e:  # e.g. the disk filled up during the run
             print(f"{p.prog}: error: could not write --out {args.out} "
-                  f"({e.strerror or e}); the result is printed "
-                  f"above", file=sys.stderr)
+                  f"({e.strerror or e}); the result is printed above", file=sys.stderr)
             return 1
     return 0
 

@@ -40,35 +40,28 @@ class TorchTransformer(nn.Module):
         self.pos = PositionalEncoding(c.d_model, c.dropout, c.max_len)
         # as ours (chapter 7): the clothes are the same
         self.pos.dropout = Dropout(c.dropout)
-        enc_layer = nn.TransformerEncoderLayer(c.d_model, c.h, c.d_ff, c.dropout,
-                                               batch_first=True,
-                                               norm_first=c.norm_first)
-        dec_layer = nn.TransformerDecoderLayer(c.d_model, c.h, c.d_ff, c.dropout,
-                                               batch_first=True,
-                                               norm_first=c.norm_first)
+        enc_layer, dec_layer = (
+            layer(c.d_model, c.h, c.d_ff, c.dropout, batch_first=True, norm_first=c.norm_first)
+            for layer in (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))
         # dropout where ours has it; PyTorch's would drop everywhere
         for layer in (enc_layer, dec_layer):
             layer.dropout = nn.Dropout(c.ffn_dropout)      # the FFN's hidden units
             layer.self_attn.dropout = c.attention_dropout  # the attention weights
         dec_layer.multihead_attn.dropout = c.attention_dropout
         # as ours: only pre-LN
-        final_norm = ((lambda: nn.LayerNorm(c.d_model)) if c.norm_first
-                      else (lambda: None))
+        final_norm = lambda: nn.LayerNorm(c.d_model) if c.norm_first else None
         self.core = nn.Transformer(
             c.d_model, c.h, batch_first=True,
-            custom_encoder=nn.TransformerEncoder(
-                enc_layer, c.n_layers, norm=final_norm(),
-                enable_nested_tensor=not c.norm_first),
-            custom_decoder=nn.TransformerDecoder(
-                dec_layer, c.n_layers, norm=final_norm()))
+            custom_encoder=nn.TransformerEncoder(enc_layer, c.n_layers, norm=final_norm(),
+                                                 enable_nested_tensor=not c.norm_first),
+            custom_decoder=nn.TransformerDecoder(dec_layer, c.n_layers, norm=final_norm()))
         self.generator = nn.Linear(c.d_model, c.tgt_vocab)
         if c.tie_embeddings:
             self.generator.weight = self.tgt_embed.embedding.weight
             if c.src_vocab == c.tgt_vocab:
                 self.src_embed.embedding.weight = self.tgt_embed.embedding.weight
 
-    def encode(self, src: torch.Tensor,
-               src_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def encode(self, src: torch.Tensor, src_mask: torch.Tensor | None = None) -> torch.Tensor:
         pad = ((src == self.config.pad_id) if src_mask is None
                else ~src_mask[:, 0, 0, :])  # (B, S), True = pad
         x = self.pos(self.src_embed(src))
@@ -91,16 +84,14 @@ class TorchTransformer(nn.Module):
         real tokens, which never see it) must be one (T, T) mask for all rows, e.g. the
         `causal_mask(T)` that `greedy_search` passes."""
         T = tgt_in.size(1)
-        memory_pad = (None if src_mask is None
-                      else ~src_mask[:, 0, 0, :])  # (B, S), True = pad
+        memory_pad = None if src_mask is None else ~src_mask[:, 0, 0, :]  # (B, S), True = pad
         if tgt_mask is None:
             tgt_mask = causal_mask(T, device=tgt_in.device)
         if tgt_mask.dim() == 4 and tgt_mask.shape[:2] == (1, 1):
             tgt_mask = tgt_mask[0, 0]
         if tgt_mask.shape != (T, T):
-            raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) "
-                             "target mask for all rows, "
-                             f"got shape {tuple(tgt_mask.shape)}")
+            raise ValueError(f"TorchTransformer takes one (T, T) = ({T}, {T}) target mask for all "
+                             f"rows, got shape {tuple(tgt_mask.shape)}")
         y = self.pos(self.tgt_embed(tgt_in))
         return self.core.decoder(y, memory, tgt_mask=~tgt_mask,  # True = masked
                                  memory_key_padding_mask=memory_pad)
@@ -114,18 +105,15 @@ class TorchTransformer(nn.Module):
         pad = src == self.config.pad_id  # (B, S), True = pad
         if src.device.type == "cpu" and not torch.compiler.is_compiling():
             pad = pad if pad.any() else None
-        memory = self.core.encoder(self.pos(self.src_embed(src)),
-                                   src_key_padding_mask=pad)
+        memory = self.core.encoder(self.pos(self.src_embed(src)), src_key_padding_mask=pad)
         T = tgt_in.size(1)
         future = torch.ones(T, T, dtype=torch.bool, device=tgt_in.device).triu(1)
-        return self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory,
-                                 tgt_mask=future, tgt_is_causal=True,
-                                 memory_key_padding_mask=pad)
+        return self.core.decoder(self.pos(self.tgt_embed(tgt_in)), memory, tgt_mask=future,
+                                 tgt_is_causal=True, memory_key_padding_mask=pad)
 
 # %% ../../book/d_performance.ipynb #r008
 def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:
-    mha.in_proj_weight.copy_(
-        torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
+    mha.in_proj_weight.copy_(torch.cat([ours.w_q.weight, ours.w_k.weight, ours.w_v.weight]))
     mha.in_proj_bias.copy_(torch.cat([ours.w_q.bias, ours.w_k.bias, ours.w_v.bias]))
     mha.out_proj.weight.copy_(ours.w_o.weight)
     mha.out_proj.bias.copy_(ours.w_o.bias)
@@ -135,9 +123,8 @@ def _copy_attention(mha: nn.MultiheadAttention, ours) -> None:
 def copy_weights(ours: Transformer, ref: TorchTransformer) -> TorchTransformer:
     """Load our model's weights into the reference, so both compute the same function.
     Returns `ref`."""
-    ref.src_embed.load_state_dict(ours.src_embed.state_dict())
-    ref.tgt_embed.load_state_dict(ours.tgt_embed.state_dict())
-    ref.generator.load_state_dict(ours.generator.state_dict())
+    for k in ("src_embed", "tgt_embed", "generator"):
+        getattr(ref, k).load_state_dict(getattr(ours, k).state_dict())
     pairs = [*zip(ours.encoder.layers, ref.core.encoder.layers),
              *zip(ours.decoder.layers, ref.core.decoder.layers)]
     for mine, theirs in pairs:
@@ -146,10 +133,9 @@ def copy_weights(ours: Transformer, ref: TorchTransformer) -> TorchTransformer:
             _copy_attention(theirs.multihead_attn, mine.cross_attn)
         theirs.linear1.load_state_dict(mine.feed_forward.w_1.state_dict())
         theirs.linear2.load_state_dict(mine.feed_forward.w_2.state_dict())
-        for k in (1, 2, 3):
-            if hasattr(mine, f"norm{k}"):
-                getattr(theirs, f"norm{k}").load_state_dict(
-                    getattr(mine, f"norm{k}").state_dict())
+        for k in ("norm1", "norm2", "norm3"):
+            if hasattr(mine, k):
+                getattr(theirs, k).load_state_dict(getattr(mine, k).state_dict())
     for mine, theirs in ((ours.encoder.norm, ref.core.encoder.norm),
                          (ours.decoder.norm, ref.core.decoder.norm)):
         if isinstance(mine, nn.LayerNorm):
@@ -189,11 +175,9 @@ def bench_data(n_batches: int = 8, max_tokens: int = 6000, vocab_size: int = 800
     tgt = tok.encode_batch([t for _, t in pairs], bos=True, eos=True)
     order = token_batches(src, tgt, max_tokens, shuffle=True, seed=seed)
     if len(order) < n_batches:
-        raise ValueError(f"only {len(order)} batches of max_tokens={max_tokens} "
-                         f"in {len(pairs)} pairs; "
-                         f"lower n_batches={n_batches} or max_tokens")
-    batches = [(pad_batch([src[i] for i in idx])[0],
-                pad_batch([tgt[i] for i in idx])[0])
+        raise ValueError(f"only {len(order)} batches of max_tokens={max_tokens} in {len(pairs)} "
+                         f"pairs; lower n_batches={n_batches} or max_tokens")
+    batches = [(pad_batch([src[i] for i in idx])[0], pad_batch([tgt[i] for i in idx])[0])
                for idx in order[:n_batches]]
     return BenchData(tok.vocab_size, batches)
 
@@ -235,18 +219,14 @@ def train_flops(config: TransformerConfig, B: int, S: int, T: int) -> float:
 # Peak dense bf16 tensor throughput (no sparsity) from the vendors' data sheets, matched
 # against the device name in this order. These are ASSUMPTIONS: clocks, power limits and
 # SKUs differ.
-PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0),
-                    ("A100", 312.0), ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0),
-                    ("RTX 4090", 165.0)]
+PEAK_BF16_TFLOPS = [("H200", 989.0), ("H100 PCIe", 756.0), ("H100", 989.0), ("A100", 312.0),
+                    ("L40S", 362.0), ("L4", 121.0), ("A10G", 70.0), ("RTX 4090", 165.0)]
 
 
 def assumed_peak_tflops(device_name: str) -> float | None:
     """The peak bf16 TFLOP/s we assume for a CUDA device name, or None when we have no
     figure for it."""
-    for key, tflops in PEAK_BF16_TFLOPS:
-        if key.lower() in device_name.lower():
-            return tflops
-    return None
+    return next((t for key, t in PEAK_BF16_TFLOPS if key.lower() in device_name.lower()), None)
 
 # %% ../../book/d_performance.ipynb #r026
 def environment(device: torch.device) -> dict:

@@ -50,13 +50,11 @@ class _Job:
                     path.unlink(missing_ok=True)
         self.cmd = command_line(variant, base, self.dir, extra)
         self.log = open(self.dir / "log.txt", "a")
-        self.log.write(f"$ {shlex.join(self.cmd)}\n")
-        self.log.flush()
+        print(f"$ {shlex.join(self.cmd)}", file=self.log, flush=True)
         self.started = time.monotonic()
         # an evaluation's stdout (its JSON line) goes to a file, not a pipe: a pipe read
         # only at the end would block a child that writes more than the pipe holds
-        self.stdout = (tempfile.TemporaryFile("w+") if variant.command == "evaluate"
-                       else self.log)
+        self.stdout = tempfile.TemporaryFile("w+") if variant.command == "evaluate" else self.log
         # its own session: a Ctrl-C reaches the sweep alone, which then sends each
         # child one SIGTERM (a second signal would cut a child's final save short)
         self.proc = subprocess.Popen(self.cmd, stdout=self.stdout, stderr=self.log,
@@ -64,9 +62,8 @@ class _Job:
 
     def _record(self, name: str, record: dict) -> None:
         "Write results.json or failed.json under the run's lock."
-        record = {**record, "command": shlex.join(self.cmd[1:])}
         with run_lock(self.dir):
-            write_json(self.dir / name, record)
+            write_json(self.dir / name, {**record, "command": shlex.join(self.cmd[1:])})
 
     def finish(self) -> bool:
         """After the process ended: write an evaluation's results, or failed.json (the
@@ -148,13 +145,12 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
                     busy(job.variant.name, e)
                     continue
                 status[job.variant.name] = "done" if ok else "failed"
-                minutes = (time.monotonic() - job.started) / 60
                 why = ("" if ok else f"; see {job.dir / 'log.txt'}"
                        if job.proc.returncode != -signal.SIGKILL else
                        " (killed by SIGKILL, e.g. out of memory: the next call resumes "
                        "it from its last.pt)")
                 say(f"{'done  ' if ok else 'FAILED'} {job.variant.name} after "
-                    f"{minutes:.1f} min{why}")
+                    f"{(time.monotonic() - job.started) / 60:.1f} min{why}")
     except BaseException:
         # Ctrl-C, SIGTERM or a bug of ours: no child outlives the sweep. Each saves its
         # last.pt on SIGTERM and exits; the same call resumes it.
@@ -178,14 +174,13 @@ def copy_results(out: str | Path, dest: str | Path, variants: list[Variant]) -> 
     finished or failed variant to `dest/<name>/`."""
     copied = 0
     for v in variants:
-        run = Path(out) / v.name
-        if run_state(run) not in ("done", "failed"):
-            continue
-        (Path(dest) / v.name).mkdir(parents=True, exist_ok=True)
-        for name in KEEP:
-            if (run / name).exists():
-                shutil.copyfile(run / name, Path(dest) / v.name / name)
-        copied += 1
+        run, copy = Path(out) / v.name, Path(dest) / v.name
+        if run_state(run) in ("done", "failed"):
+            copy.mkdir(parents=True, exist_ok=True)
+            for name in KEEP:
+                if (run / name).exists():
+                    shutil.copyfile(run / name, copy / name)
+            copied += 1
     return copied
 
 
@@ -225,8 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "held up to 4.5 GB resident here, 7.3 GB at --d-model 512)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="CPU threads of each variant (default: torch's)")
-    p.add_argument("--only", nargs="+", metavar="NAME",
-                   help="run these variants only")
+    p.add_argument("--only", nargs="+", metavar="NAME", help="run these variants only")
     p.add_argument("--data", metavar="DIR", help="directory holding multi30k/")
     p.add_argument("--retry-failed", action="store_true",
                    help="run failed variants again (default: a failure is a result, "

@@ -74,19 +74,19 @@ class RecordWeights(nn.Module):
         return out, self.weights
 
 
-def _web_copy(model: nn.Module, max_len: int) -> nn.Module:
-    "A float32, eval-mode copy of `model` with its positional table cut to `max_len` rows."
+def _web_copy(model: nn.Module) -> nn.Module:
+    "A float32, eval-mode copy of `model` with its positional table cut to `WEB_MAX_LEN` rows."
     model = copy.deepcopy(model).float().eval()
-    model.pos.pe = model.pos.pe[:max_len].clone()
+    model.pos.pe = model.pos.pe[:WEB_MAX_LEN].clone()
     return model
 
 
 class WebEncoder(nn.Module):
     "src ids (B, S) -> memory (B, S, d_model); the padding mask comes from `src == pad`."
 
-    def __init__(self, model: nn.Module, max_len: int = WEB_MAX_LEN):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = _web_copy(model, max_len)
+        self.model = _web_copy(model)
 
     def forward(self, src: torch.Tensor) -> torch.Tensor:
         m = self.model
@@ -99,9 +99,9 @@ class WebDecoder(nn.Module):
     the next piece (B, V) and the cross-attention weights at the last position of every
     layer and head (n_layers, B, h, S)."""
 
-    def __init__(self, model: nn.Module, max_len: int = WEB_MAX_LEN):
+    def __init__(self, model: nn.Module):
         super().__init__()
-        self.model = _web_copy(model, max_len)
+        self.model = _web_copy(model)
         for layer in self.model.decoder.layers:
             layer.cross_attn = RecordWeights(layer.cross_attn)
 
@@ -119,13 +119,12 @@ class WebDecoder(nn.Module):
 OPSET = 17
 
 
-def export_graphs(model: nn.Module, out_dir: str | os.PathLike,
-                  max_len: int = WEB_MAX_LEN) -> tuple[Path, Path]:
+def export_graphs(model: nn.Module, out_dir: str | os.PathLike) -> tuple[Path, Path]:
     """`model` (a chapter 7.1 `Transformer`) as two float32 ONNX graphs in `out_dir`:
     encoder.onnx (`src` -> `memory`) and decoder.onnx (`tgt`, `memory`, `src` ->
     `log_probs`, `cross_attention`), every batch and length dimension dynamic."""
     out_dir = Path(out_dir)
-    encoder, decoder = WebEncoder(model, max_len).eval(), WebDecoder(model, max_len).eval()
+    encoder, decoder = WebEncoder(model).eval(), WebDecoder(model).eval()
     src = torch.tensor([[5, 6, 7, 3], [5, 6, 3, 0]])        # (B=2, S=4): one padded row
     tgt = torch.tensor([[2, 8], [2, 9]])                     # (B=2, T=2)
     B, S, T = "batch", "src_len", "tgt_len"
@@ -258,9 +257,8 @@ class WebModel:
         self.config = json.loads((web_dir / "config.json").read_text())
         options = ort.SessionOptions()
         options.intra_op_num_threads = options.inter_op_num_threads = threads
-        self.encoder, self.decoder = (
-            ort.InferenceSession(str(web_dir / self.config[k]), options,
-                                 providers=["CPUExecutionProvider"])
+        self.encoder, self.decoder = (ort.InferenceSession(
+            str(web_dir / self.config[k]), options, providers=["CPUExecutionProvider"])
             for k in ("encoder", "decoder"))
 
     def encode(self, src):
