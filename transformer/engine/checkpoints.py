@@ -64,11 +64,9 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     name no other writer uses, which is flushed to the disk and then renamed over
     `path`. On any error the temporary file is removed and `path` is as it was; an
     `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
-    path = Path(path)
-    tmp = None
+    path, tmp = Path(path), None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                   suffix=".tmp")
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         # mkstemp makes the file private; give it the usual permissions
         os.chmod(tmp, 0o666 & ~_umask())
         with os.fdopen(fd, mode) as f:
@@ -87,19 +85,16 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None and not isinstance(cause, SaveError):
-            e = cause
             before = (f"the previous {path.name} is intact" if path.exists()
                       else "nothing was written")
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            why = ("no space left on the device" if full
-                   else (e.strerror or str(e)).lower())
+            full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+            why = "no space left on the device" if full else (cause.strerror or str(cause)).lower()
             fix = "free some space" if full else f"check that {path.parent} is writable"
             # --resume only where there is a run to resume: a last.pt beside the file
             again = ("continue the run with --resume" if (path.parent / "last.pt").is_file()
                      else "run the same command again")
-            raise SaveError(e.errno,
-                            f"{why} while saving {path}; {before}. "
-                            f"{fix.capitalize()} and {again}") from None
+            raise SaveError(cause.errno, f"{why} while saving {path}; {before}. "
+                                         f"{fix.capitalize()} and {again}") from None
         raise
     return path
 
@@ -402,10 +397,8 @@ def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None
     config that differs in a field outside `type(config).RESUMABLE`; then remove the
     snapshots (`step-*.pt`) newer than `saved`, an abandoned trajectory's."""
     saved_model = saved.get("model_config", {})
-    try:  # a checkpoint from before a field existed has its default
-        saved_model = read_model_config(saved_model).to_dict()
-    except (TypeError, ValueError, AttributeError):
-        pass  # not a config this package can build: the comparison below says how
+    with contextlib.suppress(TypeError, ValueError, AttributeError):  # else compared as it is
+        saved_model = read_model_config(saved_model).to_dict()  # newer fields: their defaults
     if saved_model != model.config.to_dict():
         raise ValueError(f"cannot resume from {path}: the model differs " + ", ".join(
             f"{k}={v!r} (saved {saved_model.get(k)!r})"
