@@ -388,12 +388,10 @@ class _Loop:
                                                   or stopped != "max_steps")
                     # a run interrupted to be resumed takes no extra snapshot: the
                     # snapshots it averages at the end are those of a run never stopped
-                    snap = c.keep_checkpoints and (
-                        step % (c.snapshot_every or c.eval_every) == 0
-                        or (done and stopped != "interrupted"))
+                    snap = c.keep_checkpoints and (step % (c.snapshot_every or c.eval_every) == 0
+                                                   or (done and stopped != "interrupted"))
                     due = step % c.eval_every == 0
-                    evaluate = (((due and self.evaluation_fits()) or done)
-                                and stopped != "interrupted")
+                    evaluate = (due and self.evaluation_fits() or done) and stopped != "interrupted"
                     if step % c.log_every == 0 or done:
                         self.log_train(lr, bar)     # reads the device; raises on NaN
                     elif snap or evaluate:
