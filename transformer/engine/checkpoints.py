@@ -53,12 +53,6 @@ class SaveError(UserError, OSError):
         return self.strerror or super().__str__()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a
     name no other writer uses, which is flushed to the disk and then renamed over
@@ -67,8 +61,10 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     path, tmp = Path(path), None
     try:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        # mkstemp makes the file private; give it the usual permissions
-        os.chmod(tmp, 0o666 & ~_umask())
+        # mkstemp makes the file private; give it the usual permissions (umask, read by setting it)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
