@@ -717,8 +717,8 @@ def check_hyps_refs(hyps: Sequence[str], refs: Sequence[str]) -> tuple[list[str]
 def check_train_config(c) -> None:
     """Every field of chapter 8's `TrainConfig` (or the engine's `RunConfig`) in its range,
     or a `ValueError` naming the first that is not."""
-    def whole(low):   # an int, not a bool, >= low
-        return lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= low
+    def whole(low):
+        return lambda v: is_int(v) and v >= low
     rules = {name: (whole(1), "an int >= 1") for name in (
         "batch_tokens", "accum_steps", "max_steps", "warmup", "eval_every", "log_every")}
     rules |= {name: (lambda v: 0 <= v < 1, "in [0, 1)") for name in (

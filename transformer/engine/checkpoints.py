@@ -7,6 +7,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import tempfile
 import textwrap
 import threading
@@ -39,14 +40,9 @@ class CheckpointError(UserError, ValueError):
 
 def _unwrapped(module: nn.Module) -> nn.Module:
     "The model inside `torch.compile`'s and DistributedDataParallel's wrappers."
-    while isinstance(getattr(module, "_orig_mod", getattr(module, "module", None)),
-                     nn.Module):
+    while isinstance(getattr(module, "_orig_mod", getattr(module, "module", None)), nn.Module):
         module = getattr(module, "_orig_mod", None) or module.module
     return module
-
-
-def _plain_state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach() for k, v in _unwrapped(module).state_dict().items()}
 
 
 class SaveError(UserError, OSError):
@@ -57,24 +53,18 @@ class SaveError(UserError, OSError):
         return self.strerror or super().__str__()
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
     """Write `path` all or nothing: `write(f)` fills a temporary file beside it, under a
     name no other writer uses, which is flushed to the disk and then renamed over
     `path`. On any error the temporary file is removed and `path` is as it was; an
     `OSError` (a full disk, a read-only directory) becomes a one-line `SaveError`."""
-    path = Path(path)
-    tmp = None
+    path, tmp = Path(path), None
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                   suffix=".tmp")
-        # mkstemp makes the file private; give it the usual permissions
-        os.chmod(tmp, 0o666 & ~_umask())
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # mkstemp makes the file private; give it the usual permissions (umask, read by setting it)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)
         with os.fdopen(fd, mode) as f:
             write(f)
             f.flush()
@@ -91,19 +81,16 @@ def atomic_write(path: str | os.PathLike, write, mode: str = "wb") -> Path:
         while cause is not None and not isinstance(cause, OSError):
             cause = cause.__cause__ or cause.__context__
         if cause is not None and not isinstance(cause, SaveError):
-            e = cause
             before = (f"the previous {path.name} is intact" if path.exists()
                       else "nothing was written")
-            full = e.errno in (errno.ENOSPC, errno.EDQUOT)
-            why = ("no space left on the device" if full
-                   else (e.strerror or str(e)).lower())
+            full = cause.errno in (errno.ENOSPC, errno.EDQUOT)
+            why = "no space left on the device" if full else (cause.strerror or str(cause)).lower()
             fix = "free some space" if full else f"check that {path.parent} is writable"
             # --resume only where there is a run to resume: a last.pt beside the file
             again = ("continue the run with --resume" if (path.parent / "last.pt").is_file()
                      else "run the same command again")
-            raise SaveError(e.errno,
-                            f"{why} while saving {path}; {before}. "
-                            f"{fix.capitalize()} and {again}") from None
+            raise SaveError(cause.errno, f"{why} while saving {path}; {before}. "
+                                         f"{fix.capitalize()} and {again}") from None
         raise
     return path
 
@@ -119,14 +106,12 @@ def write_json(path: str | os.PathLike, obj, compact: bool = False) -> None:
 
 def save_checkpoint(path: str | os.PathLike, model: Transformer,
                     optimizer: torch.optim.Optimizer | None = None,
-                    train_config: TrainConfig | None = None,
-                    progress: dict | None = None,
+                    train_config: TrainConfig | None = None, progress: dict | None = None,
                     run: dict | None = None) -> Path:
     """Write model weights + config (+ optimizer, training config, progress) to `path`,
     atomically. `run` records facts about the files of the run the checkpoint belongs to
     (e.g. the tokenizer's sha256)."""
-    return write_checkpoint(path, checkpoint_state(model, optimizer, train_config,
-                                                   progress, run))
+    return write_checkpoint(path, checkpoint_state(model, optimizer, train_config, progress, run))
 
 
 def checkpoint_state(model: Transformer, optimizer: torch.optim.Optimizer | None = None,
@@ -136,7 +121,7 @@ def checkpoint_state(model: Transformer, optimizer: torch.optim.Optimizer | None
     own, not copies: `host_copy` makes the copy a background write needs."""
     model = _unwrapped(model)
     state = {"format": CHECKPOINT_FORMAT, "model_config": model.config.to_dict(),
-             "model": _plain_state(model)}
+             "model": {k: v.detach() for k, v in model.state_dict().items()}}
     if optimizer is not None:
         state["optimizer"] = optimizer.state_dict()
     if train_config is not None:
@@ -166,13 +151,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):  # torch.save writes a zip archive
         raise CheckpointError(f"{path} is not a readable checkpoint "
-                              "(not a file written by torch.save, "
-                              f"or a truncated one)")
+                              "(not a file written by torch.save, or a truncated one)")
     try:
         state = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises many types for foreign or damaged files
-        lines = ([l.strip() for l in str(e).splitlines() if l.strip()]
-                 or [type(e).__name__])
+        lines = [l.strip() for l in str(e).splitlines() if l.strip()] or [type(e).__name__]
         if lines[0].startswith("Weights only load failed"):  # pickled code, not tensors
             why = next((l.split("WeightsUnpickler error:")[-1] for l in lines
                         if "WeightsUnpickler error:" in l or "GLOBAL" in l), lines[-1])
@@ -197,12 +180,7 @@ def _shorten(text: str, width: int = 200) -> str:
 def strip_prefixes(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes from parameter
     names."""
-    out = {}
-    for key, value in state_dict.items():
-        while key.startswith(("_orig_mod.", "module.")):
-            key = key.split(".", 1)[1]
-        out[key] = value
-    return out
+    return {re.sub(r"^((_orig_mod|module)\.)+", "", k): v for k, v in state_dict.items()}
 
 
 def _memory_bytes() -> int | None:
@@ -248,10 +226,8 @@ def _check_tensors(weights: dict, model: nn.Module, name: str) -> None:
     for key, w in want.items():
         v = weights[key]
         if not (torch.is_tensor(v) and v.shape == w.shape
-                and (v.is_floating_point() and w.is_floating_point()
-                     or v.dtype == w.dtype)):
-            got = (f"{tuple(v.shape)} {v.dtype}" if torch.is_tensor(v)
-                   else type(v).__name__)
+                and (v.is_floating_point() and w.is_floating_point() or v.dtype == w.dtype)):
+            got = f"{tuple(v.shape)} {v.dtype}" if torch.is_tensor(v) else type(v).__name__
             raise CheckpointError(
                 f"{name}: tensor {key} is {got}, but the checkpoint's config makes it "
                 f"{tuple(w.shape)} {w.dtype}; the file is damaged or was edited")
@@ -273,36 +249,31 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
     loaded, in eval mode. Refused with a `CheckpointError`: a config too large for this
     machine's memory (checked before anything is built) and weights that hold NaN or
     infinity (a diverged run would translate to nothing)."""
-    name = name or ("the checkpoint" if isinstance(checkpoint, dict)
-                    else str(checkpoint))
+    name = name or ("the checkpoint" if isinstance(checkpoint, dict) else str(checkpoint))
     state = checkpoint if isinstance(checkpoint, dict) else load_checkpoint(checkpoint)
     try:
         config = read_model_config(state["model_config"])
         need, have = model_bytes(config), _memory_bytes()
         if have is not None and need > have:
             raise CheckpointError(
-                f"{name} describes a model of about {need / 2**30:,.1f} GiB "
-                f"(d_model={config.d_model}, d_ff={config.d_ff}, "
-                f"n_layers={config.n_layers}, "
-                f"vocabulary {config.src_vocab:,}), "
-                f"more than this machine's {have / 2**30:,.1f} GiB of memory; "
-                f"the file is damaged or was not written by this package")
+                f"{name} describes a model of about {need / 2**30:,.1f} GiB (d_model="
+                f"{config.d_model}, d_ff={config.d_ff}, n_layers={config.n_layers}, vocabulary "
+                f"{config.src_vocab:,}), more than this machine's {have / 2**30:,.1f} GiB of "
+                "memory; the file is damaged or was not written by this package")
         weights = strip_prefixes(state["model"])
         bad = next((k for k, v in weights.items()
                     if v.is_floating_point() and not torch.isfinite(v).all()), None)
         if bad is not None:
             raise CheckpointError(
-                f"{name} holds NaN or infinite weights ({bad}): "
-                f"the run diverged or the file is damaged; "
-                f"use another checkpoint (--checkpoint best, last or averaged)")
+                f"{name} holds NaN or infinite weights ({bad}): the run diverged or the file "
+                "is damaged; use another checkpoint (--checkpoint best, last or averaged)")
         model = build_model(config)
         _check_tensors(weights, model, name)
         model.load_state_dict(weights)
     except CheckpointError:
         raise
     except (KeyError, TypeError, ValueError, RuntimeError, AttributeError) as e:
-        raise CheckpointError(f"{name} does not describe a model this package can "
-                              "build: "
+        raise CheckpointError(f"{name} does not describe a model this package can build: "
                               f"{_shorten(' '.join(str(e).split()))}") from None
     return model.to(device).eval()
 
@@ -364,8 +335,7 @@ class CheckpointWriter:
             except BaseException as e:            # raised on the training thread
                 self._error = e
 
-        self._thread = threading.Thread(target=work, name="checkpoint-writer",
-                                        daemon=True)
+        self._thread = threading.Thread(target=work, name="checkpoint-writer", daemon=True)
         self._thread.start()
 
     def wait(self, raising: bool = True) -> None:
@@ -400,9 +370,8 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
                 raise ValueError("not a metrics record")
         except ValueError as e:
             if number == len(lines):
-                warnings.warn(f"{path}: dropped its last line, cut short "
-                              f"({line[:40]!r}...): the run was stopped "
-                              f"while writing it", stacklevel=2)
+                warnings.warn(f"{path}: dropped its last line, cut short ({line[:40]!r}...): "
+                              "the run was stopped while writing it", stacklevel=2)
                 break
             raise TrainingError(f"{path}, line {number}: not a metrics record ({e}); "
                                 "fix or delete that line") from None
@@ -416,9 +385,7 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> None:
     path = Path(path)
     if path.exists():
         kept = [r for r in read_metrics(path) if r["step"] <= step]
-        atomic_write(path,
-                     lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)),
-                     mode="w")
+        atomic_write(path, lambda f: f.write("".join(json.dumps(r) + "\n" for r in kept)), mode="w")
 
 
 def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None:
@@ -426,24 +393,19 @@ def check_resumable(saved: dict, config, model: Transformer, path: Path) -> None
     config that differs in a field outside `type(config).RESUMABLE`; then remove the
     snapshots (`step-*.pt`) newer than `saved`, an abandoned trajectory's."""
     saved_model = saved.get("model_config", {})
-    try:  # a checkpoint from before a field existed has its default
-        saved_model = read_model_config(saved_model).to_dict()
-    except (TypeError, ValueError, AttributeError):
-        pass  # not a config this package can build: the comparison below says how
+    with contextlib.suppress(TypeError, ValueError, AttributeError):  # else compared as it is
+        saved_model = read_model_config(saved_model).to_dict()  # newer fields: their defaults
     if saved_model != model.config.to_dict():
-        diff = {k: (v, saved_model.get(k)) for k, v in model.config.to_dict().items()
-                if saved_model.get(k) != v}
-        raise ValueError(f"cannot resume from {path}: the model differs " +
-                         ", ".join(f"{k}={new!r} (saved {old!r})"
-                                   for k, (new, old) in diff.items()))
+        raise ValueError(f"cannot resume from {path}: the model differs " + ", ".join(
+            f"{k}={v!r} (saved {saved_model.get(k)!r})"
+            for k, v in model.config.to_dict().items() if saved_model.get(k) != v))
     now, default = asdict(config), asdict(type(config)())
     # a checkpoint from before a field existed trained with its default
     was = {**default, **saved["train_config"]} if "train_config" in saved else {}
     diff = [k for k in now if k not in type(config).RESUMABLE and was.get(k) != now[k]]
     if diff:
-        raise ValueError(f"cannot resume from {path}: the training config differs " +
-                         ", ".join(f"{k}={now[k]!r} (saved {was.get(k)!r})"
-                                   for k in diff))
+        raise ValueError(f"cannot resume from {path}: the training config differs " + ", ".join(
+            f"{k}={now[k]!r} (saved {was.get(k)!r})" for k in diff))
     # snapshots past the checkpoint belong to the trajectory a kill abandoned (the loop
     # saves last.pt less often than it snapshots): averaged, they would mix two runs
     step = saved.get("progress", {}).get("step", 0)
@@ -456,8 +418,7 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict) -> None:
     """`optimizer.load_state_dict(state)`, keeping the kernel the optimizer was built
     with (fused or not: the checkpoint's may not suit this device), with the step
     counters where that kernel wants them."""
-    kept = [{k: g[k] for k in ("fused", "foreach") if k in g}
-            for g in optimizer.param_groups]
+    kept = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(state)
     for group, options in zip(optimizer.param_groups, kept):
         group.update(options)

@@ -84,9 +84,8 @@ class RunConfig(TrainConfig):
     keep_checkpoints: int = 0       # keep the weights of the last N snapshots, for averaging
     snapshot_every: int | None = None   # steps between those snapshots (None: eval_every)
 
-    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp",
-                 "cpu_bf16", "compile", "accum_steps", "keep_checkpoints",
-                 "snapshot_every")
+    RESUMABLE = ("max_steps", "max_minutes", "eval_every", "log_every", "amp", "cpu_bf16",
+                 "compile", "accum_steps", "keep_checkpoints", "snapshot_every")
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "RunConfig":
@@ -101,14 +100,12 @@ class TrainResult:
     epoch: int               # index of the epoch the loop is in (0 = the first)
     epochs: float            # epochs done, as a fraction: epoch + share of its batches
     stopped: str             # "max_steps", "max_minutes" or "interrupted"
-    # wall time of the loop, evaluations included, over all sessions
-    train_seconds: float
+    train_seconds: float     # wall time of the loop, evaluations included, over all sessions
     eval_seconds: float      # the part spent evaluating and saving
     tokens: int              # real target tokens seen
     best: dict | None        # {"metric", "value", "step"} of best.pt
     history: list[dict] = field(default_factory=list)
-    # the signal that interrupted it (SIGINT = Ctrl-C, SIGTERM), if any
-    signal: int | None = None
+    signal: int | None = None   # the signal that interrupted it (SIGINT = Ctrl-C, SIGTERM), if any
 
     @property
     def tokens_per_second(self) -> float:
@@ -147,13 +144,12 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     With several processes each computes a share and the sums are added up."""
     device = next(model.parameters()).device
     precision = precision or Precision(device.type)
-    rank, world_size = world()
     was_training = model.training
     criterion = FastSeq2SeqLoss(model, epsilon).eval()
     total = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, real targets
     pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
                            batch_tokens, shuffle=False)
-    for piece in pieces[rank::world_size]:
+    for piece in my_pieces(pieces, *world()):
         src, tgt = collate(examples, piece, device)
         with precision.autocast():
             loss, nll = criterion(src, tgt)
@@ -161,8 +157,7 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
         total += torch.stack([loss.double(), nll.double(), real.double()])
     model.train(was_training)
     loss, nll, n = all_sum(total).tolist()
-    return {"val_loss": loss / n, "val_nll": nll / n,
-            "val_ppl": math.exp(min(nll / n, 50.0))}
+    return {"val_loss": loss / n, "val_nll": nll / n, "val_ppl": math.exp(min(nll / n, 50.0))}
 
 
 # %% ../../book/e_2_loop.ipynb #c031
@@ -193,8 +188,7 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
     if not isinstance(config, RunConfig):   # chapter 8's recipe, run with the engine's defaults
         config = RunConfig(**asdict(config or TrainConfig()))
     if not train_examples:
-        raise ValueError("train_examples is empty; "
-                         "pass a list of (src_ids, tgt_ids) pairs")
+        raise ValueError("train_examples is empty; pass a list of (src_ids, tgt_ids) pairs")
     p = getattr(train_examples, "p", None) if callable(train_examples) else 0.0
     if p is not None and p != config.subword_dropout:   # what the run records is true
         raise ValueError(f"config.subword_dropout={config.subword_dropout} but the "
@@ -228,9 +222,8 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
             raise RunDirectoryError(f"{out} holds no last.pt to resume from")
         found = [name for name in ("last.pt", "metrics.jsonl") if (out / name).exists()]
         if found and not resume:
-            raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); "
-                                    "resume it (resume=True, "
-                                    f"--resume) or train into another directory")
+            raise RunDirectoryError(f"{out} already holds a run ({', '.join(found)}); resume it "
+                                    "(resume=True, --resume) or train into another directory")
         return loop.run(resume)
 
 # %% ../../book/e_2_loop.ipynb #c031a
@@ -271,7 +264,7 @@ class _Loop:
                  run, eval_share=None, buckets=None):
         # a list, or a function of the epoch (the pairs segmented anew, `SubwordDropout`)
         self.examples_of = examples if callable(examples) else (lambda epoch: examples)
-        self.model, self.val_examples = model, val_examples
+        self.model, self.val_examples, self.buckets = model, val_examples, buckets
         self.config, self.out, self.on_eval, self.run_facts = config, out, on_eval, run
         self.device = next(model.parameters()).device
         self.rank, self.world_size = world()
@@ -281,12 +274,10 @@ class _Loop:
         # on the CPU evaluation stays float32, as the book's numbers were measured
         self.eval_precision = (self.precision if self.device.type == "cuda"
                                else Precision(self.device.type))
-        self.optimizer = make_optimizer(model, (config.beta1, config.beta2),
-                                        config.adam_eps)
+        self.optimizer = make_optimizer(model, (config.beta1, config.beta2), config.adam_eps)
         criterion = FastSeq2SeqLoss(speed_up(model), config.label_smoothing)  # appendix D.2
         self.ddp = distributed(criterion, self.device) if self.world_size > 1 else None
         self.net = self.ddp or criterion
-        self.buckets = buckets
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
             inductor_workarounds()  # appendix F
             if buckets:     # a static graph a bucket: let Dynamo keep one for every length
@@ -295,12 +286,11 @@ class _Loop:
                     torch._dynamo.config.recompile_limit, limit)
             self.net = torch.compile(self.net, fullgraph=self.ddp is None,
                                      dynamic=False if buckets else None)
-        self.at = {"step": 0, "epoch": 0, "batch": 0, "seconds": 0.0,
-                   "eval_seconds": 0.0, "tokens": 0}
+        self.at = dict(step=0, epoch=0, batch=0, seconds=0.0, eval_seconds=0.0, tokens=0)
         self.best, self.saved_step, self.history = None, None, []
         self.writer = CheckpointWriter()   # appendix E: checkpoints written in the background
-        self.last_eval_seconds = 0.0                 # the latest evaluation's time
-        self.eval_share, self.evaluated = eval_share, False   # evaluations' time share
+        # the evaluations' time share; whether one ran, and the latest one's time
+        self.eval_share, self.evaluated, self.last_eval_seconds = eval_share, False, 0.0
         # the latest steps' times; a session's first step (compiling, autotuning) left out
         self.step_times = deque(maxlen=32)
         # this log window's seconds waiting for batches, and in `step` (on a GPU the host's
@@ -348,9 +338,8 @@ class _Loop:
             examples = Pairs.of(examples)
         steps = examples.epoch_batches(c.batch_tokens, c.seed, epoch, self.pieces)
         if not steps:
-            raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step "
-                             f"from {len(examples)} examples in "
-                             f"{self.pieces} pieces; "
+            raise ValueError(f"batch_tokens={c.batch_tokens} gives no full step from "
+                             f"{len(examples)} examples in {self.pieces} pieces; "
                              "lower accum_steps or use more data")
         # the real target tokens of each step: `BOS y EOS` less one
         lengths = examples.tgt_lengths
@@ -399,12 +388,10 @@ class _Loop:
                                                   or stopped != "max_steps")
                     # a run interrupted to be resumed takes no extra snapshot: the
                     # snapshots it averages at the end are those of a run never stopped
-                    snap = c.keep_checkpoints and (
-                        step % (c.snapshot_every or c.eval_every) == 0
-                        or (done and stopped != "interrupted"))
+                    snap = c.keep_checkpoints and (step % (c.snapshot_every or c.eval_every) == 0
+                                                   or (done and stopped != "interrupted"))
                     due = step % c.eval_every == 0
-                    evaluate = (((due and self.evaluation_fits()) or done)
-                                and stopped != "interrupted")
+                    evaluate = (due and self.evaluation_fits() or done) and stopped != "interrupted"
                     if step % c.log_every == 0 or done:
                         self.log_train(lr, bar)     # reads the device; raises on NaN
                     elif snap or evaluate:
@@ -566,11 +553,9 @@ class _Loop:
         start = time.perf_counter()
         if self.val_examples:
             c = self.config
-            record = {"kind": "eval", "step": self.at["step"],
-                      "epoch": self.at["epoch"],
-                      **evaluate_loss(self.model, self.val_examples,
-                                      c.batch_tokens // self.pieces, c.label_smoothing,
-                                      self.eval_precision)}
+            record = {"kind": "eval", "step": self.at["step"], "epoch": self.at["epoch"],
+                      **evaluate_loss(self.model, self.val_examples, c.batch_tokens // self.pieces,
+                                      c.label_smoothing, self.eval_precision)}
             if self.on_eval is not None:
                 self.model.eval()
                 with self.eval_precision.autocast():
@@ -794,17 +779,15 @@ def final_evaluation(out_dir: str | os.PathLike, tokenizer: Tokenizer,
             candidates[len(paths)] = model_from_checkpoint(windows[len(paths)], device)
     grid = [(name, a, evaluate(m, tokenizer, val_pairs, beam_size=beam_size, alpha=a))
             for name, m in candidates.items() for a in alphas]
-    name, chosen_alpha, _ = max(grid, key=lambda row: row[2]["bleu"])  # first wins a tie
+    name, chosen_alpha, val = max(grid, key=lambda row: row[2]["bleu"])  # first wins a tie
     # the window best on val, whatever won, is kept as averaged.pt
-    window = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w),
-                 default=None)
+    window = max(windows, key=lambda w: max(s["bleu"] for c, _, s in grid if c == w), default=None)
     if window is not None:
         save_checkpoint(out / "averaged.pt", candidates[window],
                         progress=windows[window]["progress"], run=run)
     best = candidates[name]
     on_val = {("best" if c == "best" else "averaged"): s for c, a, s in grid
               if a == chosen_alpha and c in ("best", window)}
-    val = on_val["best" if name == "best" else "averaged"]
     test = val if test_pairs is None else evaluate(
         best, tokenizer, test_pairs, beam_size=beam_size, alpha=chosen_alpha)
     greedy = test if beam_size == 1 else evaluate(
