@@ -80,13 +80,11 @@ def exported_sha256(run_dir: str | os.PathLike) -> str | None:
 
 
 def check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
-    ("A checkpoint records the sha256 of the tokenizer it was trained with: refuse "
-     "another one.")
+    "A checkpoint records the sha256 of the tokenizer it was trained with: refuse another one."
     run = state.get("run", {})
     if not isinstance(run, dict):
-        raise CheckpointError(f"{checkpoint}: its \"run\" record is a "
-                              f"{type(run).__name__}, not a dictionary; the file is "
-                              "damaged or was edited")
+        raise CheckpointError(f"{checkpoint}: its \"run\" record is a {type(run).__name__}, "
+                              "not a dictionary; the file is damaged or was edited")
     want, got = run.get("tokenizer_sha256"), sha256_file(tok_path)
     if want is not None and got != want:
         raise CheckpointError(
@@ -281,7 +279,6 @@ class TrainedModel:
                           "source_results": {k: source[k] for k in _KEEP if k in source}}
         tok = sha256_file(run_dir / "tokenizer.model")
         out.mkdir(parents=True, exist_ok=True)
-        names = (WEIGHTS, "tokenizer.model", "config.json", "results.json", "README.md")
         try:
             _write_weights(self.model, out / WEIGHTS, half, tok)
             text = lambda s: (lambda f: f.write(s))
@@ -295,7 +292,7 @@ class TrainedModel:
             write_json(out / "results.json", results)
             atomic_write(out / "README.md", text(model_card(self, results).encode("utf-8")))
         except BaseException:
-            for name in names:
+            for name in (WEIGHTS, "tokenizer.model", "config.json", "results.json", "README.md"):
                 (out / name).unlink(missing_ok=True)
             raise
         return out
@@ -527,17 +524,15 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
         where = f"{path}, variant {i + 1}"
         if not isinstance(entry, dict):
             raise SweepError(f"{where}: expected an object, got {entry!r}")
-        unknown = set(entry) - {"name", "row", "args", "command", "note"}
-        if unknown:
+        if unknown := set(entry) - {"name", "row", "args", "command", "note"}:
             raise SweepError(f"{where}: unknown keys {sorted(unknown)}; known: name, "
                              "row, args, command, note")
         try:
             v = Variant(**entry)
         except TypeError:
             raise SweepError(f'{where}: "name" and "row" are required') from None
-        name_ok = (isinstance(v.name, str) and v.name not in ("", ".", "..")
-                   and all(ch.isalnum() or ch in "-_." for ch in v.name))
-        if not name_ok:
+        if not (isinstance(v.name, str) and v.name not in ("", ".", "..")
+                and all(ch.isalnum() or ch in "-_." for ch in v.name)):
             raise SweepError(f"{where}: name {v.name!r} must be a non-empty directory "
                              "name of letters, digits, '-', '_' and '.'")
         if v.name in seen:
