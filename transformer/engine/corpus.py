@@ -81,9 +81,8 @@ def stream_lines(path: str | os.PathLike) -> Iterator[str]:
                 text = line.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"{path}: line {number} is not valid UTF-8 (byte "
-                                f"{line[e.start:e.start + 1]!r} at column {e.start + 1}); "
-                                "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
-                                ) from None
+                                f"{line[e.start:e.start + 1]!r} at column {e.start + 1}); convert "
+                                "the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
             yield text.lstrip("\ufeff").strip() if number == 1 else text.strip()
 
 
@@ -468,10 +467,9 @@ class ShardedCorpus(Pairs):
         super().__init__(*([a[side] for a in loaded] for side in ("src", "tgt", "index")))
         if max_len is not None:
             keep = np.flatnonzero(np.maximum(self.src_lengths, self.tgt_lengths) <= max_len)
-            if len(keep) < len(self.src_lengths):
-                warnings.warn(f"dropped {len(self.src_lengths) - len(keep)} of "
-                              f"{len(self.src_lengths)} pairs longer than {max_len} tokens",
-                              stacklevel=2)
+            if len(keep) < len(self):
+                warnings.warn(f"dropped {len(self) - len(keep)} of {len(self)} pairs longer "
+                              f"than {max_len} tokens", stacklevel=2)
                 self.keep = keep
                 self.src_lengths, self.tgt_lengths = self.src_lengths[keep], self.tgt_lengths[keep]
 

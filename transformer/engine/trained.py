@@ -88,10 +88,9 @@ def check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
     want, got = run.get("tokenizer_sha256"), sha256_file(tok_path)
     if want is not None and got != want:
         raise CheckpointError(
-            f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 "
-            f"{got[:12]}… vs {want[:12]}… recorded in the checkpoint): the files come "
-            "from different runs; copy the whole run directory, or put back its own "
-            "tokenizer.model")
+            f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 {got[:12]}… "
+            f"vs {want[:12]}… recorded in the checkpoint): the files come from different runs; "
+            "copy the whole run directory, or put back its own tokenizer.model")
 
 # %% ../../book/e_1_load.ipynb #e1-004b
 WEIGHTS = "model.safetensors"   # an exported model's weights (a run's checkpoints stay .pt)
@@ -282,8 +281,7 @@ class TrainedModel:
         try:
             _write_weights(self.model, out / WEIGHTS, half, tok)
             text = lambda s: (lambda f: f.write(s))
-            atomic_write(out / "tokenizer.model",
-                         text((run_dir / "tokenizer.model").read_bytes()))
+            atomic_write(out / "tokenizer.model", text((run_dir / "tokenizer.model").read_bytes()))
             write_json(out / "config.json", self.config)
             results = {"checkpoint": "best", **provenance,
                        "dtype": "float16" if half else "float32",
@@ -325,9 +323,8 @@ def load(path: str | os.PathLike, which: str = "chosen",
                               f"{WEIGHTS if shipped else 'best.pt'}, and no {which}.pt; use "
                               "--checkpoint best (or leave --checkpoint out)")
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
-        raise CheckpointError(f"{run_dir} holds no averaged.pt (train --average N writes "
-                              "it); use --checkpoint best (best.pt) or --checkpoint last "
-                              "(last.pt)")
+        raise CheckpointError(f"{run_dir} holds no averaged.pt (train --average N writes it); "
+                              "use --checkpoint best (best.pt) or --checkpoint last (last.pt)")
     ckpt = run_dir / (WEIGHTS if shipped else f"{which}.pt")
     if which == "best" and not ckpt.exists():
         ckpt = run_dir / "last.pt"
@@ -344,9 +341,8 @@ def load(path: str | os.PathLike, which: str = "chosen",
     except ValueError as e:  # not JSON, not UTF-8
         raise CheckpointError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, "
-                              "not a JSON object; the file is damaged: copy the run "
-                              "directory again")
+        raise CheckpointError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, not a "
+                              "JSON object; the file is damaged: copy the run directory again")
     if exported and (got := sha256_file(ckpt)) != exported:
         raise CheckpointError(
             f"{ckpt} is not the file that was exported (sha256 {got[:12]}… vs "
@@ -507,9 +503,8 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
     except UnicodeDecodeError as e:
         at, byte = e.start, data[e.start:e.start + 1]
         line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
-        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, "
-                         f"column {column} (byte {at + 1} of the file); save it as "
-                         "UTF-8") from None
+        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, column {column} "
+                         f"(byte {at + 1} of the file); save it as UTF-8") from None
     except json.JSONDecodeError as e:
         raise SweepError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
     except RecursionError:
