@@ -256,17 +256,16 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
             tokenizer: Tokenizer | str | os.PathLike | None = None,
             sample_sentences: int = 1_000_000, shard_pairs: int = 1_000_000,
             chunk_pairs: int = 20_000, seed: int = 0, quiet: bool = False) -> Path:
-    """Tokenize a parallel corpus once into `out_dir`: memory-mapped shards of token ids, an
-    index and a manifest that `ShardedCorpus` reads.
+    """Tokenize a parallel corpus once into `out_dir`: memory-mapped shards of token ids, an index
+    and a manifest that `ShardedCorpus` reads.
 
-    `src_files`, `tgt_files`: plain or gzipped text files, one sentence a line, the i-th source
-    file aligned with the i-th target file. The tokenizer is trained (`vocab_size`) on a
-    sample of `sample_sentences` sentences, or given (a `Tokenizer` or a `.model` file). Each
-    pair is encoded as chapter 8's `make_examples` does, `(x EOS, BOS y EOS)`; pairs with an
-    empty side are skipped, as appendix A does. `val_files`, `test_files`: optional
-    `(source file, target file)` of held-out pairs, kept as text for validation and scoring.
-    Memory: one chunk of `chunk_pairs` pairs as Python lists, one shard of `shard_pairs` pairs
-    as numpy arrays, the sample's strings."""
+    `src_files`, `tgt_files`: plain or gzipped text files, one sentence a line, the i-th source file
+    aligned with the i-th target file. The tokenizer is trained (`vocab_size`) on a sample of
+    `sample_sentences` sentences, or given (a `Tokenizer` or a `.model` file). Each pair is encoded
+    as chapter 8's `make_examples` does, `(x EOS, BOS y EOS)`; pairs with an empty side are skipped,
+    as appendix A does. `val_files`, `test_files`: optional `(source file, target file)` of held-out
+    pairs, kept as text for validation and scoring. Memory: one chunk of `chunk_pairs` pairs as
+    Python lists, one shard of `shard_pairs` pairs as numpy arrays, the sample's strings."""
     for name, value in (("vocab_size", vocab_size), ("sample_sentences", sample_sentences),
                         ("shard_pairs", shard_pairs), ("chunk_pairs", chunk_pairs)):
         _positive(name, value)
@@ -334,14 +333,13 @@ def _damaged(path: Path, what: str) -> DataError:
 
 
 class Pairs:
-    """`(source ids, target ids)` pairs laid out as `prepare` writes them: per shard, the
-    source tokens end to end, the target tokens end to end, and an index of (source offset,
-    length, target offset, length) per pair; the lengths of every pair as two int32 arrays.
-    `Pairs.of(examples)` packs a list of pairs (`make_examples`') into one in-memory shard;
-    `ShardedCorpus` maps a prepared corpus's shards from the disk. Either way the training
-    loop (appendix E.2) batches them with `epoch_batches` (from the lengths alone) and
-    `collate` (a few numpy gathers a shard, not a tensor a sentence): one batcher, one
-    collate, for a list and for a corpus on disk."""
+    """`(source ids, target ids)` pairs laid out as `prepare` writes them: per shard, the source
+    tokens end to end, the target tokens end to end, and an index of (source offset, length, target
+    offset, length) per pair; the lengths of every pair as two int32 arrays. `Pairs.of(examples)`
+    packs a list of pairs (`make_examples`') into one in-memory shard; `ShardedCorpus` maps a
+    prepared corpus's shards from the disk. Either way the training loop (appendix E.2) batches them
+    with `epoch_batches` (from the lengths alone) and `collate` (a few numpy gathers a shard, not a
+    tensor a sentence): one batcher, one collate, for a list and for a corpus on disk."""
 
     def __init__(self, src: list, tgt: list, index: list):
         self.src, self.tgt, self.index = src, tgt, index

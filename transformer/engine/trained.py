@@ -222,12 +222,11 @@ def _positions(n: int, max_len: int, extra_len: int = 50) -> int:
 class TrainedModel:
     """A trained model with its tokenizer, ready to translate (what `load` returns).
 
-    Two configs, on purpose: `config` is the run's config.json as a plain dict, how
-    the run was trained as `train` wrote it (`model`, `train`, `data`, `preset`,
-    `seed`; `{}` where the directory holds no config.json), while `model.config` is
-    the `TransformerConfig` dataclass the weights were built from, read from the
-    checkpoint itself: the one to trust for the model's sizes. For a run of `train`,
-    `TransformerConfig.from_dict(config["model"]) == model.config`."""
+    Two configs, on purpose: `config` is the run's config.json as a plain dict, how the run was
+    trained as `train` wrote it (`model`, `train`, `data`, `preset`, `seed`; `{}` where the
+    directory holds no config.json), while `model.config` is the `TransformerConfig` dataclass the
+    weights were built from, read from the checkpoint itself: the one to trust for the model's
+    sizes. For a run of `train`, `TransformerConfig.from_dict(config["model"]) == model.config`."""
     model: Transformer
     tokenizer: Tokenizer
     config: dict     # the run's config.json (a dict); the model's sizes: model.config
@@ -259,11 +258,10 @@ class TrainedModel:
         return out[0] if one else out
 
     def export(self, out: str | os.PathLike, half: bool = True) -> Path:
-        """Write this model as the field ships one, into `out` (new, or empty):
-        model.safetensors (float16 unless `half=False`), tokenizer.model, config.json,
-        results.json (the weights' sha256, the source run's scores) and README.md (a
-        model card). `load(out)` reads it back. All or nothing: on an error the files
-        written so far are removed."""
+        """Write this model as the field ships one, into `out` (new, or empty): model.safetensors
+        (float16 unless `half=False`), tokenizer.model, config.json, results.json (the weights'
+        sha256, the source run's scores) and README.md (a model card). `load(out)` reads it back.
+        All or nothing: on an error the files written so far are removed."""
         out, run_dir = Path(out), self.path.parent
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise CheckpointError(f"{out} exists and is not an empty directory; pass a "
@@ -298,13 +296,12 @@ class TrainedModel:
 
 def load(path: str | os.PathLike, which: str = "chosen",
          device: str | torch.device = "cpu") -> TrainedModel:
-    """The trained model of a run directory written by `train`, or of a model directory
-    written by `export` (the book ships one, `book/model`), on `device`. `which`: chosen
-    (the checkpoint train chose on val; best.pt when it chose none, or when the file it
-    chose is gone), best, last or averaged. Refused with a one-line `CheckpointError`
-    naming the file: a missing file, a tokenizer of another run, an exported model's
-    weights whose sha256 is not the recorded one, tensors that are not the model's. On a
-    GPU it sets appendix F's `fast_kernels` (for the whole process)."""
+    """The trained model of a run directory written by `train`, or of a model directory written by
+    `export` (the book ships one, `book/model`), on `device`. `which`: chosen (the checkpoint train
+    chose on val; best.pt when it chose none, or when the file it chose is gone), best, last or
+    averaged. Refused with a one-line `CheckpointError` naming the file: a missing file, a tokenizer
+    of another run, an exported model's weights whose sha256 is not the recorded one, tensors that
+    are not the model's. On a GPU it sets appendix F's `fast_kernels` (for the whole process)."""
     run_dir = Path(path)
     if which not in ("chosen", *CHECKPOINTS):
         raise CheckpointError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
