@@ -509,9 +509,8 @@ class ShardedCorpus(Pairs):
     def split(self, name: str) -> list[tuple[str, str]]:
         "The held-out `(source, target)` text pairs `prepare` kept as `name` (`val`, `test`)."
         if name not in self.manifest.get("splits", {}):
-            flag = "--val-files" if name == "val" else "--test-files"
             raise DataError(f"{self.dir} holds no {name} pairs; run prepare again with "
-                            f"{flag} SRC TGT")
+                            f"{'--val-files' if name == 'val' else '--test-files'} SRC TGT")
         want, sides = self.manifest["splits"][name], []
         for side in ("src", "tgt"):
             file = self.dir / want[side]["name"]
