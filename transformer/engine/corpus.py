@@ -43,8 +43,10 @@ __all__ = ['CORPUS_FORMAT', 'MANIFEST', 'TOKENIZER_FILE', 'SPLITS', 'FOREIGN', '
            'Pairs', 'ShardedCorpus', 'length_batches', 'main', 'wmt14_text']
 
 # %% ../../book/a_1_prepare.ipynb #a1-004
-def _opener(path: Path):
-    "`open` or `gzip.open` for `path`, after appendix A's checks (a file; gzip's magic number)."
+@contextmanager
+def _reading(path: Path):
+    """`path` open for reading bytes, plain or gzipped, after appendix A's checks (a file;
+    gzip's magic number); a damaged gzip stream is a `DataError`."""
     if not path.is_file():
         raise DataError(f"{path}: " + ("a directory, not a file; name a file in it"
                                        if path.is_dir() else "no such file; check the path"))
@@ -53,19 +55,19 @@ def _opener(path: Path):
     if path.suffix == ".gz" and not gzipped:
         raise DataError(f"{path}: not a gzip file (its name ends in .gz but it does not start "
                         "with gzip's bytes 1f 8b); download or copy it again")
-    return gzip.open if gzipped else open
+    try:
+        with (gzip.open if gzipped else open)(path, "rb") as f:
+            yield f
+    except (OSError, EOFError, zlib.error) as e:
+        raise DataError(f"{path}: not a valid gzip file ({e}); download or copy it again") from e
 
 
 def count_lines(path: str | os.PathLike) -> int:
     "The number of lines of a plain or gzipped file, read a chunk at a time."
-    path = Path(path)
-    opener, n, last = _opener(path), 0, b"\n"
-    try:
-        with opener(path, "rb") as f:
-            while chunk := f.read(1 << 24):
-                n, last = n + chunk.count(b"\n"), chunk[-1:]
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a valid gzip file ({e}); download or copy it again") from e
+    n, last = 0, b"\n"
+    with _reading(Path(path)) as f:
+        while chunk := f.read(1 << 24):
+            n, last = n + chunk.count(b"\n"), chunk[-1:]
     return n + (last != b"\n")          # a last line without its newline counts too
 
 
@@ -73,26 +75,19 @@ def stream_lines(path: str | os.PathLike) -> Iterator[str]:
     """The lines of a plain or gzipped UTF-8 file, stripped, one at a time: what appendix A's
     `read_parallel` reads, without holding the file."""
     path = Path(path)
-    opener = _opener(path)
-    try:
-        with opener(path, "rb") as f:
-            for number, line in enumerate(f, start=1):
-                try:
-                    text = line.decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise DataError(f"{path}: line {number} is not valid UTF-8 (byte "
-                                    f"{line[e.start:e.start + 1]!r} at column {e.start + 1}); "
-                                    "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
-                                    ) from None
-                yield text.lstrip("\ufeff").strip() if number == 1 else text.strip()
-    except (OSError, EOFError, zlib.error) as e:
-        raise DataError(f"{path}: not a valid gzip file ({e}); download or copy it again") from e
+    with _reading(path) as f:
+        for number, line in enumerate(f, start=1):
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{path}: line {number} is not valid UTF-8 (byte "
+                                f"{line[e.start:e.start + 1]!r} at column {e.start + 1}); convert "
+                                "the file to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+            yield text.lstrip("\ufeff").strip() if number == 1 else text.strip()
 
 
 def _file_list(files, side: str) -> list[Path]:
-    if isinstance(files, (str, os.PathLike)):
-        files = [files]
-    files = [Path(f) for f in files]
+    files = [Path(f) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
     if not files:
         raise DataError(f"no {side} files given; name at least one")
     return files
@@ -155,9 +150,8 @@ def run_lock(out_dir: str | os.PathLike):
     lock where `fcntl` is missing (Windows)."""
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
-        raise RunDirectoryError(f"{out} is a file, not a directory; "
-                                "pass a directory for the run "
-                                "(it is created if missing)")
+        raise RunDirectoryError(f"{out} is a file, not a directory; pass a directory for the "
+                                "run (it is created if missing)")
     out.mkdir(parents=True, exist_ok=True)
     key = str(out.resolve())
     if fcntl is None or key in _HELD:
@@ -173,9 +167,8 @@ def run_lock(out_dir: str | os.PathLike):
     except OSError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "unknown"
         os.close(fd)
-        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); "
-                                "wait for it to end, "
-                                f"or train into another directory (--out)") from None
+        raise RunDirectoryError(f"{out} is in use by another run (pid {holder}); wait for it "
+                                "to end, or train into another directory (--out)") from None
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     _HELD[key] = fd
@@ -248,22 +241,31 @@ def _write_split(out: Path, name: str, files: list) -> dict:
     return entry
 
 
+def _check_foreign(out: Path) -> None:
+    "`out` may be new, a corpus, or hold text files; never a run's or a model's directory."
+    for kind, names in FOREIGN.items():
+        found = sorted(p.name for name in names for p in out.glob(name))
+        if found:
+            raise RunDirectoryError(f"--out {out} holds a {kind} ({', '.join(found[:3])}); "
+                                    "prepare writes a corpus into a directory of its own: "
+                                    "pass another --out")
+
+
 def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 8000, *,
             val_files=None, test_files=None,
             tokenizer: Tokenizer | str | os.PathLike | None = None,
             sample_sentences: int = 1_000_000, shard_pairs: int = 1_000_000,
             chunk_pairs: int = 20_000, seed: int = 0, quiet: bool = False) -> Path:
-    """Tokenize a parallel corpus once into `out_dir`: memory-mapped shards of token ids, an
-    index and a manifest that `ShardedCorpus` reads.
+    """Tokenize a parallel corpus once into `out_dir`: memory-mapped shards of token ids, an index
+    and a manifest that `ShardedCorpus` reads.
 
-    `src_files`, `tgt_files`: plain or gzipped text files, one sentence a line, the i-th source
-    file aligned with the i-th target file. The tokenizer is trained (`vocab_size`) on a
-    sample of `sample_sentences` sentences, or given (a `Tokenizer` or a `.model` file). Each
-    pair is encoded as chapter 8's `make_examples` does, `(x EOS, BOS y EOS)`; pairs with an
-    empty side are skipped, as appendix A does. `val_files`, `test_files`: optional
-    `(source file, target file)` of held-out pairs, kept as text for validation and scoring.
-    Memory: one chunk of `chunk_pairs` pairs as Python lists, one shard of `shard_pairs` pairs
-    as numpy arrays, the sample's strings."""
+    `src_files`, `tgt_files`: plain or gzipped text files, one sentence a line, the i-th source file
+    aligned with the i-th target file. The tokenizer is trained (`vocab_size`) on a sample of
+    `sample_sentences` sentences, or given (a `Tokenizer` or a `.model` file). Each pair is encoded
+    as chapter 8's `make_examples` does, `(x EOS, BOS y EOS)`; pairs with an empty side are skipped,
+    as appendix A does. `val_files`, `test_files`: optional `(source file, target file)` of held-out
+    pairs, kept as text for validation and scoring. Memory: one chunk of `chunk_pairs` pairs as
+    Python lists, one shard of `shard_pairs` pairs as numpy arrays, the sample's strings."""
     for name, value in (("vocab_size", vocab_size), ("sample_sentences", sample_sentences),
                         ("shard_pairs", shard_pairs), ("chunk_pairs", chunk_pairs)):
         _positive(name, value)
@@ -277,66 +279,52 @@ def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 
     _check_foreign(out)
     with run_lock(out):                          # one writer: a second prepare or a train waits
         _check_foreign(out)
-        return _prepare(files, held_out, lines, out, vocab_size, tokenizer, sample_sentences,
-                        shard_pairs, chunk_pairs, seed, quiet)
-
-
-def _check_foreign(out: Path) -> None:
-    "`out` may be new, a corpus, or hold text files; never a run's or a model's directory."
-    for kind, names in FOREIGN.items():
-        found = sorted(p.name for name in names for p in out.glob(name))
-        if found:
-            raise RunDirectoryError(f"--out {out} holds a {kind} ({', '.join(found[:3])}); "
-                                    "prepare writes a corpus into a directory of its own: "
-                                    "pass another --out")
-
-
-def _prepare(files, held_out, lines, out, vocab_size, tokenizer, sample_sentences,
-             shard_pairs, chunk_pairs, seed, quiet) -> Path:
-    (out / MANIFEST).unlink(missing_ok=True)     # a half-written directory is never read as whole
-    if tokenizer is None:
-        tokenizer = Tokenizer.train(sample_texts(stream_pairs(files), sample_sentences, seed),
-                                    vocab_size=vocab_size)
-        trained_on = "sample"
-    else:
-        tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
-        trained_on = "given"
-    written = sha256_file(tokenizer.save(out / TOKENIZER_FILE))    # what the ids are made with
-    splits = {name: _write_split(out, name, pair) for name, pair in held_out.items()}
-    dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
-    shards, parts, in_shard = [], [], 0
-    pairs = stream_pairs(files)
-    with tqdm(total=lines, unit="pair", desc="prepare",
-              disable=quiet or not sys.stderr.isatty()) as bar:
-        while chunk := list(itertools.islice(pairs, min(chunk_pairs, shard_pairs - in_shard))):
-            src = tokenizer.encode_batch([s for s, _ in chunk], eos=True)
-            tgt = tokenizer.encode_batch([t for _, t in chunk], bos=True, eos=True)
-            parts.append((*_flat(src, dtype), *_flat(tgt, dtype)))
-            in_shard += len(chunk)
-            if in_shard == shard_pairs:
-                shards.append(_write_shard(out, len(shards), parts))
-                parts, in_shard = [], 0
-            bar.update(len(chunk))
-    if parts:
-        shards.append(_write_shard(out, len(shards), parts))
-    n = sum(s["pairs"] for s in shards)
-    if n == 0:
-        raise DataError(f"empty corpus: no pair of non-empty lines in {files[0][0]} / {files[0][1]}")
-    if n < lines:
-        warnings.warn(f"skipped {lines - n} of {lines} pairs with an empty side", stacklevel=3)
-    if sha256_file(out / TOKENIZER_FILE) != written:
-        raise DataError(f"{out / TOKENIZER_FILE} changed while prepare wrote {out} (another "
-                        "process writes there); run prepare again, one at a time")
-    manifest = {
-        "format": CORPUS_FORMAT, "pairs": n, "skipped": lines - n,
-        "files": [{"src": str(a), "tgt": str(b), "lines": k} for a, b, k in files],
-        "encoding": {"src": "x EOS", "tgt": "BOS y EOS"},
-        "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
-        "tokenizer": {"name": TOKENIZER_FILE, "sha256": written,
-                      "trained_on": trained_on, "sample_sentences": sample_sentences},
-        "shard_pairs": shard_pairs, "shards": shards, "splits": splits}
-    _write(out / MANIFEST, lambda f: f.write((json.dumps(manifest, indent=1) + "\n").encode()))
-    return out
+        (out / MANIFEST).unlink(missing_ok=True)     # a half-written directory is never read as whole
+        if tokenizer is None:
+            tokenizer = Tokenizer.train(sample_texts(stream_pairs(files), sample_sentences, seed),
+                                        vocab_size=vocab_size)
+            trained_on = "sample"
+        else:
+            tokenizer = tokenizer if isinstance(tokenizer, Tokenizer) else Tokenizer.load(tokenizer)
+            trained_on = "given"
+        written = sha256_file(tokenizer.save(out / TOKENIZER_FILE))    # what the ids are made with
+        splits = {name: _write_split(out, name, pair) for name, pair in held_out.items()}
+        dtype = np.uint16 if tokenizer.vocab_size <= 1 << 16 else np.int32
+        shards, parts, in_shard = [], [], 0
+        pairs = stream_pairs(files)
+        with tqdm(total=lines, unit="pair", desc="prepare",
+                  disable=quiet or not sys.stderr.isatty()) as bar:
+            while chunk := list(itertools.islice(pairs, min(chunk_pairs, shard_pairs - in_shard))):
+                src = tokenizer.encode_batch([s for s, _ in chunk], eos=True)
+                tgt = tokenizer.encode_batch([t for _, t in chunk], bos=True, eos=True)
+                parts.append((*_flat(src, dtype), *_flat(tgt, dtype)))
+                in_shard += len(chunk)
+                if in_shard == shard_pairs:
+                    shards.append(_write_shard(out, len(shards), parts))
+                    parts, in_shard = [], 0
+                bar.update(len(chunk))
+        if parts:
+            shards.append(_write_shard(out, len(shards), parts))
+        n = sum(s["pairs"] for s in shards)
+        if n == 0:
+            raise DataError("empty corpus: no pair of non-empty lines in "
+                            f"{files[0][0]} / {files[0][1]}")
+        if n < lines:
+            warnings.warn(f"skipped {lines - n} of {lines} pairs with an empty side", stacklevel=2)
+        if sha256_file(out / TOKENIZER_FILE) != written:
+            raise DataError(f"{out / TOKENIZER_FILE} changed while prepare wrote {out} (another "
+                            "process writes there); run prepare again, one at a time")
+        manifest = {
+            "format": CORPUS_FORMAT, "pairs": n, "skipped": lines - n,
+            "files": [{"src": str(a), "tgt": str(b), "lines": k} for a, b, k in files],
+            "encoding": {"src": "x EOS", "tgt": "BOS y EOS"},
+            "vocab_size": tokenizer.vocab_size, "dtype": np.dtype(dtype).name,
+            "tokenizer": {"name": TOKENIZER_FILE, "sha256": written,
+                          "trained_on": trained_on, "sample_sentences": sample_sentences},
+            "shard_pairs": shard_pairs, "shards": shards, "splits": splits}
+        text = (json.dumps(manifest, indent=1) + "\n").encode()
+        _write(out / MANIFEST, lambda f: f.write(text))
+        return out
 
 # %% ../../book/a_1_prepare.ipynb #a1-010
 def _damaged(path: Path, what: str) -> DataError:
@@ -345,14 +333,13 @@ def _damaged(path: Path, what: str) -> DataError:
 
 
 class Pairs:
-    """`(source ids, target ids)` pairs laid out as `prepare` writes them: per shard, the
-    source tokens end to end, the target tokens end to end, and an index of (source offset,
-    length, target offset, length) per pair; the lengths of every pair as two int32 arrays.
-    `Pairs.of(examples)` packs a list of pairs (`make_examples`') into one in-memory shard;
-    `ShardedCorpus` maps a prepared corpus's shards from the disk. Either way the training
-    loop (appendix E.2) batches them with `epoch_batches` (from the lengths alone) and
-    `collate` (a few numpy gathers a shard, not a tensor a sentence): one batcher, one
-    collate, for a list and for a corpus on disk."""
+    """`(source ids, target ids)` pairs laid out as `prepare` writes them: per shard, the source
+    tokens end to end, the target tokens end to end, and an index of (source offset, length, target
+    offset, length) per pair; the lengths of every pair as two int32 arrays. `Pairs.of(examples)`
+    packs a list of pairs (`make_examples`') into one in-memory shard; `ShardedCorpus` maps a
+    prepared corpus's shards from the disk. Either way the training loop (appendix E.2) batches them
+    with `epoch_batches` (from the lengths alone) and `collate` (a few numpy gathers a shard, not a
+    tensor a sentence): one batcher, one collate, for a list and for a corpus on disk."""
 
     def __init__(self, src: list, tgt: list, index: list):
         self.src, self.tgt, self.index = src, tgt, index
@@ -364,20 +351,12 @@ class Pairs:
     @classmethod
     def of(cls, examples) -> Pairs:
         "A list of `(src_ids, tgt_ids)` pairs, packed: one shard in memory."
-        sides = []
-        for k in (0, 1):
-            lengths = np.fromiter((len(e[k]) for e in examples), np.int64, len(examples))
-            tokens = np.fromiter(itertools.chain.from_iterable(e[k] for e in examples),
-                                 np.int64, int(lengths.sum()))
-            sides.append((tokens, np.cumsum(lengths) - lengths, lengths))
-        (src, so, sl), (tgt, to, tl) = sides
-        return Pairs([src], [tgt], [np.stack([so, sl, to, tl], axis=1)])
+        (src, sl), (tgt, tl) = (_flat([e[k] for e in examples], np.int64) for k in (0, 1))
+        index = np.stack([np.cumsum(sl) - sl, sl, np.cumsum(tl) - tl, tl], axis=1)
+        return Pairs([src], [tgt], [index])
 
     def __len__(self) -> int:
         return len(self.src_lengths)
-
-    def __getitem__(self, i: int) -> tuple[list[int], list[int]]:
-        return self.pair(i)
 
     def pair(self, i: int) -> tuple[list[int], list[int]]:
         "Pair `i`'s `(x EOS, BOS y EOS)` ids, read from the shards."
@@ -388,6 +367,8 @@ class Pairs:
         k = int(np.searchsorted(self.starts, i, side="right")) - 1
         so, sl, to, tl = self.index[k][i - self.starts[k]].tolist()
         return self.src[k][so:so + sl].tolist(), self.tgt[k][to:to + tl].tolist()
+
+    __getitem__ = pair
 
     def collate(self, indices, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Chapter 8's `collate(self, indices)`: padded `src (B, S)` and `tgt (B, T)` ids, read
@@ -461,11 +442,11 @@ class ShardedCorpus(Pairs):
         if self._tokenizer.vocab_size != m.get("vocab_size"):
             raise _damaged(file, f"has {self._tokenizer.vocab_size} pieces, the manifest says "
                                  f"{m.get('vocab_size')!r}")
-        src, tgt, index = [], [], []
+        loaded = []
         for shard in shards:
-            arrays = {}
+            arrays, files = {}, {}
             for side, want in shard["files"].items():
-                file = self._file(want.get("name"))
+                files[side] = file = self._file(want.get("name"))
                 self._check(file, want, verify)
                 try:
                     arrays[side] = np.load(file, mmap_mode="r")
@@ -477,20 +458,16 @@ class ShardedCorpus(Pairs):
             for side, (shape, dtype) in shapes.items():
                 a = arrays[side]
                 if a.shape != shape or a.dtype != dtype:
-                    raise _damaged(self.dir / shard["files"][side]["name"],
+                    raise _damaged(files[side],
                                    f"shape {a.shape} {a.dtype}, the manifest says {shape} {dtype}")
-            self._check_ranges(arrays, {side: self._file(shard["files"][side]["name"])
-                                        for side in arrays})
-            src.append(arrays["src"])
-            tgt.append(arrays["tgt"])
-            index.append(arrays["index"])
-        super().__init__(src, tgt, index)
+            self._check_ranges(arrays, files)
+            loaded.append(arrays)
+        super().__init__(*([a[side] for a in loaded] for side in ("src", "tgt", "index")))
         if max_len is not None:
             keep = np.flatnonzero(np.maximum(self.src_lengths, self.tgt_lengths) <= max_len)
-            if len(keep) < len(self.src_lengths):
-                warnings.warn(f"dropped {len(self.src_lengths) - len(keep)} of "
-                              f"{len(self.src_lengths)} pairs longer than {max_len} tokens",
-                              stacklevel=2)
+            if len(keep) < len(self):
+                warnings.warn(f"dropped {len(self) - len(keep)} of {len(self)} pairs longer "
+                              f"than {max_len} tokens", stacklevel=2)
                 self.keep = keep
                 self.src_lengths, self.tgt_lengths = self.src_lengths[keep], self.tgt_lengths[keep]
 
@@ -532,9 +509,8 @@ class ShardedCorpus(Pairs):
     def split(self, name: str) -> list[tuple[str, str]]:
         "The held-out `(source, target)` text pairs `prepare` kept as `name` (`val`, `test`)."
         if name not in self.manifest.get("splits", {}):
-            flag = "--val-files" if name == "val" else "--test-files"
             raise DataError(f"{self.dir} holds no {name} pairs; run prepare again with "
-                            f"{flag} SRC TGT")
+                            f"{'--val-files' if name == 'val' else '--test-files'} SRC TGT")
         want, sides = self.manifest["splits"][name], []
         for side in ("src", "tgt"):
             file = self.dir / want[side]["name"]

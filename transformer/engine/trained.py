@@ -80,20 +80,17 @@ def exported_sha256(run_dir: str | os.PathLike) -> str | None:
 
 
 def check_tokenizer(state: dict, checkpoint: Path, tok_path: Path) -> None:
-    ("A checkpoint records the sha256 of the tokenizer it was trained with: refuse "
-     "another one.")
+    "A checkpoint records the sha256 of the tokenizer it was trained with: refuse another one."
     run = state.get("run", {})
     if not isinstance(run, dict):
-        raise CheckpointError(f"{checkpoint}: its \"run\" record is a "
-                              f"{type(run).__name__}, not a dictionary; the file is "
-                              "damaged or was edited")
+        raise CheckpointError(f"{checkpoint}: its \"run\" record is a {type(run).__name__}, "
+                              "not a dictionary; the file is damaged or was edited")
     want, got = run.get("tokenizer_sha256"), sha256_file(tok_path)
     if want is not None and got != want:
         raise CheckpointError(
-            f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 "
-            f"{got[:12]}… vs {want[:12]}… recorded in the checkpoint): the files come "
-            "from different runs; copy the whole run directory, or put back its own "
-            "tokenizer.model")
+            f"{tok_path} is not the tokenizer {checkpoint} was trained with (sha256 {got[:12]}… "
+            f"vs {want[:12]}… recorded in the checkpoint): the files come from different runs; "
+            "copy the whole run directory, or put back its own tokenizer.model")
 
 # %% ../../book/e_1_load.ipynb #e1-004b
 WEIGHTS = "model.safetensors"   # an exported model's weights (a run's checkpoints stay .pt)
@@ -225,12 +222,11 @@ def _positions(n: int, max_len: int, extra_len: int = 50) -> int:
 class TrainedModel:
     """A trained model with its tokenizer, ready to translate (what `load` returns).
 
-    Two configs, on purpose: `config` is the run's config.json as a plain dict, how
-    the run was trained as `train` wrote it (`model`, `train`, `data`, `preset`,
-    `seed`; `{}` where the directory holds no config.json), while `model.config` is
-    the `TransformerConfig` dataclass the weights were built from, read from the
-    checkpoint itself: the one to trust for the model's sizes. For a run of `train`,
-    `TransformerConfig.from_dict(config["model"]) == model.config`."""
+    Two configs, on purpose: `config` is the run's config.json as a plain dict, how the run was
+    trained as `train` wrote it (`model`, `train`, `data`, `preset`, `seed`; `{}` where the
+    directory holds no config.json), while `model.config` is the `TransformerConfig` dataclass the
+    weights were built from, read from the checkpoint itself: the one to trust for the model's
+    sizes. For a run of `train`, `TransformerConfig.from_dict(config["model"]) == model.config`."""
     model: Transformer
     tokenizer: Tokenizer
     config: dict     # the run's config.json (a dict); the model's sizes: model.config
@@ -262,11 +258,10 @@ class TrainedModel:
         return out[0] if one else out
 
     def export(self, out: str | os.PathLike, half: bool = True) -> Path:
-        """Write this model as the field ships one, into `out` (new, or empty):
-        model.safetensors (float16 unless `half=False`), tokenizer.model, config.json,
-        results.json (the weights' sha256, the source run's scores) and README.md (a
-        model card). `load(out)` reads it back. All or nothing: on an error the files
-        written so far are removed."""
+        """Write this model as the field ships one, into `out` (new, or empty): model.safetensors
+        (float16 unless `half=False`), tokenizer.model, config.json, results.json (the weights'
+        sha256, the source run's scores) and README.md (a model card). `load(out)` reads it back.
+        All or nothing: on an error the files written so far are removed."""
         out, run_dir = Path(out), self.path.parent
         if out.exists() and (not out.is_dir() or any(out.iterdir())):
             raise CheckpointError(f"{out} exists and is not an empty directory; pass a "
@@ -281,12 +276,10 @@ class TrainedModel:
                           "source_results": {k: source[k] for k in _KEEP if k in source}}
         tok = sha256_file(run_dir / "tokenizer.model")
         out.mkdir(parents=True, exist_ok=True)
-        names = (WEIGHTS, "tokenizer.model", "config.json", "results.json", "README.md")
         try:
             _write_weights(self.model, out / WEIGHTS, half, tok)
             text = lambda s: (lambda f: f.write(s))
-            atomic_write(out / "tokenizer.model",
-                         text((run_dir / "tokenizer.model").read_bytes()))
+            atomic_write(out / "tokenizer.model", text((run_dir / "tokenizer.model").read_bytes()))
             write_json(out / "config.json", self.config)
             results = {"checkpoint": "best", **provenance,
                        "dtype": "float16" if half else "float32",
@@ -295,7 +288,7 @@ class TrainedModel:
             write_json(out / "results.json", results)
             atomic_write(out / "README.md", text(model_card(self, results).encode("utf-8")))
         except BaseException:
-            for name in names:
+            for name in (WEIGHTS, "tokenizer.model", "config.json", "results.json", "README.md"):
                 (out / name).unlink(missing_ok=True)
             raise
         return out
@@ -303,13 +296,12 @@ class TrainedModel:
 
 def load(path: str | os.PathLike, which: str = "chosen",
          device: str | torch.device = "cpu") -> TrainedModel:
-    """The trained model of a run directory written by `train`, or of a model directory
-    written by `export` (the book ships one, `book/model`), on `device`. `which`: chosen
-    (the checkpoint train chose on val; best.pt when it chose none, or when the file it
-    chose is gone), best, last or averaged. Refused with a one-line `CheckpointError`
-    naming the file: a missing file, a tokenizer of another run, an exported model's
-    weights whose sha256 is not the recorded one, tensors that are not the model's. On a
-    GPU it sets appendix F's `fast_kernels` (for the whole process)."""
+    """The trained model of a run directory written by `train`, or of a model directory written by
+    `export` (the book ships one, `book/model`), on `device`. `which`: chosen (the checkpoint train
+    chose on val; best.pt when it chose none, or when the file it chose is gone), best, last or
+    averaged. Refused with a one-line `CheckpointError` naming the file: a missing file, a tokenizer
+    of another run, an exported model's weights whose sha256 is not the recorded one, tensors that
+    are not the model's. On a GPU it sets appendix F's `fast_kernels` (for the whole process)."""
     run_dir = Path(path)
     if which not in ("chosen", *CHECKPOINTS):
         raise CheckpointError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
@@ -328,9 +320,8 @@ def load(path: str | os.PathLike, which: str = "chosen",
                               f"{WEIGHTS if shipped else 'best.pt'}, and no {which}.pt; use "
                               "--checkpoint best (or leave --checkpoint out)")
     if which == "averaged" and not (run_dir / "averaged.pt").exists():
-        raise CheckpointError(f"{run_dir} holds no averaged.pt (train --average N writes "
-                              "it); use --checkpoint best (best.pt) or --checkpoint last "
-                              "(last.pt)")
+        raise CheckpointError(f"{run_dir} holds no averaged.pt (train --average N writes it); "
+                              "use --checkpoint best (best.pt) or --checkpoint last (last.pt)")
     ckpt = run_dir / (WEIGHTS if shipped else f"{which}.pt")
     if which == "best" and not ckpt.exists():
         ckpt = run_dir / "last.pt"
@@ -347,9 +338,8 @@ def load(path: str | os.PathLike, which: str = "chosen",
     except ValueError as e:  # not JSON, not UTF-8
         raise CheckpointError(f"{run_dir / 'config.json'} is not valid JSON ({e})") from None
     if not isinstance(config, dict):
-        raise CheckpointError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, "
-                              "not a JSON object; the file is damaged: copy the run "
-                              "directory again")
+        raise CheckpointError(f"{run_dir / 'config.json'} holds a {type(config).__name__}, not a "
+                              "JSON object; the file is damaged: copy the run directory again")
     if exported and (got := sha256_file(ckpt)) != exported:
         raise CheckpointError(
             f"{ckpt} is not the file that was exported (sha256 {got[:12]}… vs "
@@ -510,9 +500,8 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
     except UnicodeDecodeError as e:
         at, byte = e.start, data[e.start:e.start + 1]
         line, column = data.count(b"\n", 0, at) + 1, at - data.rfind(b"\n", 0, at)
-        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, "
-                         f"column {column} (byte {at + 1} of the file); save it as "
-                         "UTF-8") from None
+        raise SweepError(f"{path} is not UTF-8 text: byte {byte!r} at line {line}, column {column} "
+                         f"(byte {at + 1} of the file); save it as UTF-8") from None
     except json.JSONDecodeError as e:
         raise SweepError(f"{path} is not valid JSON (line {e.lineno}: {e.msg})") from None
     except RecursionError:
@@ -527,17 +516,15 @@ def read_variants(path: str | Path) -> tuple[list[str], list[Variant]]:
         where = f"{path}, variant {i + 1}"
         if not isinstance(entry, dict):
             raise SweepError(f"{where}: expected an object, got {entry!r}")
-        unknown = set(entry) - {"name", "row", "args", "command", "note"}
-        if unknown:
+        if unknown := set(entry) - {"name", "row", "args", "command", "note"}:
             raise SweepError(f"{where}: unknown keys {sorted(unknown)}; known: name, "
                              "row, args, command, note")
         try:
             v = Variant(**entry)
         except TypeError:
             raise SweepError(f'{where}: "name" and "row" are required') from None
-        name_ok = (isinstance(v.name, str) and v.name not in ("", ".", "..")
-                   and all(ch.isalnum() or ch in "-_." for ch in v.name))
-        if not name_ok:
+        if not (isinstance(v.name, str) and v.name not in ("", ".", "..")
+                and all(ch.isalnum() or ch in "-_." for ch in v.name)):
             raise SweepError(f"{where}: name {v.name!r} must be a non-empty directory "
                              "name of letters, digits, '-', '_' and '.'")
         if v.name in seen:
