@@ -307,6 +307,16 @@ def test_a_lying_shard_or_manifest_is_refused_when_the_corpus_opens(prepared, tm
     assert match in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+
+@pytest.mark.parametrize("name", ["../val.de", "/etc/hostname"])
+def test_a_held_out_split_outside_the_corpus_is_refused(prepared, tmp_path, name):
+    "The held-out text files go through the same name check as the shards: no path out of the corpus directory."
+    corpus = _copy(prepared, tmp_path)
+    _edit_manifest(corpus, lambda m: m["splits"]["val"]["src"].update(name=name))
+    with pytest.raises(DataError, match="re-run prepare") as e:
+        ShardedCorpus(corpus, verify=False).split("val")
+    assert f"{name!r} is not a file name in" in str(e.value) and "\n" not in str(e.value), str(e.value)
+
 def _archives(raw: Path, extra: str | None = None):
     for archive, base in WMT14_DE_EN.items():
         with tarfile.open(raw / archive, "w:gz") as tar:

@@ -513,7 +513,7 @@ class ShardedCorpus(Pairs):
                             f"{'--val-files' if name == 'val' else '--test-files'} SRC TGT")
         want, sides = self.manifest["splits"][name], []
         for side in ("src", "tgt"):
-            file = self.dir / want[side]["name"]
+            file = self._file(want[side]["name"])
             self._check(file, want[side], True)
             # split at \n alone, as prepare wrote them: str.splitlines (and read_text's
             # newline translation) would also split at \r, U+2028, NEL and others
