@@ -90,6 +90,9 @@ def test_evaluate_and_callback_on_a_model():
     assert set(out) == {"bleu", "bleu_lc_tok", "chrf"} and out["bleu"] == pytest.approx(s["bleu"])
     with pytest.raises(ValueError, match="no \\(source, reference\\) pairs"):
         evaluate(model, tokenizer, [])
+    for bad in (-1, 0, 2.5, True):   # refused when the callback is made, not at the first evaluation
+        with pytest.raises(ValueError, match=f"batch_size={bad!r} must be a positive int"):
+            bleu_callback(tokenizer, pairs, batch_size=bad)
 
 
 def _tiny_translation_setup():

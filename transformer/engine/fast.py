@@ -513,6 +513,8 @@ def bleu_callback(tokenizer: Tokenizer, pairs: Sequence[tuple[str, str]],
     greedy, the cheaper search), length penalty `alpha` (default 0.6);
     `batch_size` sentences decoded together (default: 64 on a CPU, 512 on a GPU, where a
     decoding step of 64 sentences leaves most of the device idle)."""
+    if batch_size is not None and (not is_int(batch_size) or batch_size < 1):
+        raise ValueError(f"batch_size={batch_size!r} must be a positive int, or None for the default")
     pairs = list(pairs)
     sources: list[list[int]] = []        # the sources' ids, once made
 
