@@ -54,16 +54,6 @@ from ..training import make_examples
 __all__ = ['prepared_corpus', 'cmd_train']
 
 # %% ../../book/c_1_train.ipynb #c009
-def _run_config(args, model_config: TransformerConfig,
-                train_config: RunConfig, corpus: ShardedCorpus | None = None) -> dict:
-    data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
-    if corpus is not None:       # a prepared corpus, by its manifest (it may move)
-        data.update(corpus=str(corpus.dir), corpus_pairs=len(corpus),
-                    corpus_manifest_sha256=sha256_file(corpus.dir / MANIFEST))
-    return {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
-            "preset": args.preset, "seed": train_config.seed}
-
-
 def prepared_corpus(args) -> Path | None:
     """The directory `--data` names when it holds a corpus written by `prepare` (appendix A.1);
     None for Multi30k's files (a directory holding multi30k/, or no --data). A directory that
@@ -153,16 +143,11 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, RunConfig]:
     try:   # the rest of `given` is the model's
         return (TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
                                          **given), RunConfig.preset(args.preset, **train))
-    # "h=3 ..." -> "--heads 3 ..." (the flag as the command line has it)
-    except ValueError as e:
-        raise CLIError(re.sub(r"\b(\w+)=(\S+)", lambda m: _as_flag(m, args), str(e), count=2)
-                       ) from None
-
-
-def _as_flag(m: re.Match, args) -> str:
-    "`d_model=100` -> `--d-model 100`; `h=3` -> `--h 3`, or `--heads 3` if argv has --heads."
-    flags = CONFIG_FLAGS.get(m.group(1))
-    return f"{as_typed(flags, getattr(args, 'argv', []))} {m.group(2)}" if flags else m.group(0)
+    except ValueError as e:   # "d_model=100" -> "--d-model 100", "h=3" -> "--heads 3" as typed
+        def as_flag(m: re.Match) -> str:
+            flags = CONFIG_FLAGS.get(m.group(1))
+            return f"{as_typed(flags, getattr(args, 'argv', []))} {m.group(2)}" if flags else m[0]
+        raise CLIError(re.sub(r"\b(\w+)=(\S+)", as_flag, str(e), count=2)) from None
 
 
 def _check_out(out: Path, args) -> None:
@@ -282,8 +267,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     train_pairs = None if corpus else load_pairs(args, "train", args.src, args.tgt)
     tokenizer, model_config, train_config, examples = _prepare(
         out, args, train_pairs, rank, world_size, corpus)
-    tok_path = out / "tokenizer.model"
-    run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
+    run = {"tokenizer_sha256": sha256_file(out / "tokenizer.model")}  # every checkpoint names it
     # now: the files may change while a long run goes on
     facts = provenance()
     torch.manual_seed(train_config.seed)
@@ -301,13 +285,13 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
                    progress=not args.quiet, run=run,
                    eval_share=None if args.eval_share == 1 else args.eval_share,
                    buckets=args.buckets)
+    def again(*more: str) -> str:   # the command that continues this run
+        return "python -m transformer " + shlex.join(
+            [*args.argv, *([] if args.resume else ["--resume"]), *more])
     if result.stopped == "interrupted":
         signum = result.signal or signal.SIGINT
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"])])
         print(f"{signal.Signals(signum).name} at step {result.step}: saved "
-              f"{out / 'last.pt'}; continue with: {again}",
-              file=sys.stderr)
+              f"{out / 'last.pt'}; continue with: {again()}", file=sys.stderr)
         # the shell's convention: 130 for SIGINT, 143 for SIGTERM
         return 128 + signum
     if rank != 0:
@@ -322,14 +306,11 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     except KeyboardInterrupt as e:
         # resumed at its last step, the loop trains no step: only this evaluation runs;
         # a run --max-minutes stopped earlier would train on, so --max-steps pins it
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"]),
-             *([] if result.step >= train_config.max_steps
-               else ["--max-steps", str(result.step)])])
+        pin = [] if result.step >= train_config.max_steps else ["--max-steps", str(result.step)]
         name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         print(f"{name} during the final evaluation: training finished (step "
               f"{result.step}) and its checkpoints are saved in {out}; redo the final "
-              f"evaluation with: {again}", file=sys.stderr)
+              f"evaluation with: {again(*pin)}", file=sys.stderr)
         return 128 + getattr(signal, name)
     results = _results(args, split, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
@@ -386,8 +367,12 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int,
     if corpus is None:
         longest = max(max(len(s), len(t)) for s, t in fixed)
     _check_batch_tokens(args, train_config, longest, pieces, exact=True)
-    run_config = _run_config(args, model_config, train_config,
-                             examples if corpus is not None else None)
+    data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
+    if corpus is not None:       # a prepared corpus, by its manifest (it may move)
+        data.update(corpus=str(corpus), corpus_pairs=len(examples),
+                    corpus_manifest_sha256=sha256_file(corpus / MANIFEST))
+    run_config = {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
+                  "preset": args.preset, "seed": train_config.seed}     # config.json
     if args.resume:
         _check_same_run(json.loads((out / "config.json").read_text()), run_config,
                         out / "config.json")
