@@ -277,17 +277,15 @@ def cmd_evaluate(args) -> int:
 
 
 def cmd_export(args) -> int:
-    """Write a run's chosen weights as a model directory, the way the field ships one
-    (appendix E.1's `TrainedModel.export`): model.safetensors in half precision
-    (`--half`, the default; the same translations up to rounding), tokenizer.model,
-    config.json, results.json (the source run, its scores, the weights' sha256) and a
-    model card, README.md. `translate`, `evaluate` and `attend` read it like a run.
+    """Write a run's chosen weights as a model directory (appendix E.1's `TrainedModel.export`):
+    model.safetensors (float16 unless `--no-half`), tokenizer.model, config.json, results.json
+    and a model card, README.md; `translate`, `evaluate` and `attend` read it like a run.
     `--web`: the two ONNX graphs and the tokenizer a web page runs (appendix I)."""
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
                        "new directory")
-    if getattr(args, "web", False):
+    if args.web:
         return web.cmd_export_web(args)
     trained = load(args.model, args.checkpoint)
     trained.export(out, half=args.half)
@@ -323,8 +321,7 @@ def _image_out(out: str) -> Path:
     if not path.parent.is_dir():
         raise CLIError(f"--out {path}: there is no directory {path.parent}; create "
                        "it first")
-    if not os.access(path.parent, os.W_OK) or (path.exists()
-                                               and not os.access(path, os.W_OK)):
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise CLIError(f"--out {path}: cannot write there; pick a writable place")
     return path
 
