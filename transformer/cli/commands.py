@@ -101,37 +101,33 @@ POSITIVE = _number(int)   # a count: --threads, --limit, --layer ...
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m transformer",
-                     description="Train, use and score the Transformer of "
-                                 "'Attention Is All You Need'.")
+    parser = _Parser(prog="python -m transformer", description="Train, use and score the "
+                     "Transformer of 'Attention Is All You Need'.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _inference_parsers(sub)
     _export_parser(sub)
     _add_figure_commands(sub)       # plot, attend
-    # `bench` (appendix D), `sweep` (C.3) and `prepare` (A.1, transformer.engine.corpus)
-    # have parsers of their own, in modules this one may not import; `python -m
-    # transformer` hands them over before this parser runs. Listed here so that --help
-    # names every command.
+    # `bench` (appendix D), `sweep` (C.3) and `prepare` (A.1, transformer.engine.corpus) have
+    # parsers of their own, in modules this one may not import; `python -m transformer` hands
+    # them over before this parser runs. Listed here so that --help names every command.
     for name, help_ in (
             ("bench", "time a training step and greedy decoding against "
                       "torch.nn.Transformer (appendix D"),
             ("sweep", "train a committed list of variants, resumably (appendix C.3"),
             ("prepare", "tokenize a parallel corpus once into shards that train --data "
                         "streams (appendix A.1")):
-        sub.add_parser(name, help=f"{help_}; python -m transformer {name} --help)",
-                       add_help=False)
-    # named from the commands added above, so that --help and the error of a missing
-    # command list every one of them
+        sub.add_parser(name, help=f"{help_}; python -m transformer {name} --help)", add_help=False)
+    # named from the commands added above, so that --help and the error of a missing command
+    # list every one of them
     sub.metavar = "{" + ",".join(sub.choices) + "}"
     return parser
 
 
 def _unverified_flag(parser) -> None:
     parser.add_argument("--unverified-data", action="store_true",
-                        help="use Multi30k files that differ from the originals (their "
-                             "sha256 is checked otherwise): a corpus you changed on "
-                             "purpose")
+                        help="use Multi30k files that differ from the originals (their sha256 "
+                             "is checked otherwise): a corpus you changed on purpose")
 
 
 def _model_flags(parser, what: str = "a run directory written by train, or a model "
