@@ -382,8 +382,7 @@ def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
     `--unverified-data`, `--eval-sentences` for the splits scored), with a missing or
     changed corpus said in the words of the command line."""
     try:
-        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
-                              download=not args.no_download,
+        pairs = load_multi30k(src, tgt, split, data_dir=args.data, download=not args.no_download,
                               progress=not getattr(args, "quiet", False),
                               verify=not getattr(args, "unverified_data", False))
     except DataError as e:  # say it in the words of the command line
@@ -435,8 +434,7 @@ def keep_freed_memory() -> bool:
     glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_MAX, 0))
-                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 
@@ -485,8 +483,7 @@ def provenance() -> dict:
 
 # %% ../../book/c_commands.ipynb #c013
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # what to lower when a command runs out of memory
