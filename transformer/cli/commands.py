@@ -495,9 +495,8 @@ _LOWER = {"train": "--batch-tokens (or choose a smaller --preset)",
 
 
 def report(e: BaseException, command: str | None = None) -> int:
-    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or
-    running out of memory as one line on stderr; anything else as a bug, with its
-    traceback."""
+    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or running
+    out of memory as one line on stderr; anything else as a bug, with its traceback."""
     if isinstance(e, (UserError, OSError)):   # OSError: the machine's (a permission, a full disk)
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return e.code if isinstance(e, UserError) else 1
@@ -519,10 +518,8 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
     command comes from the section that builds it (`train` from C.1, the others from C.2),
     and those sections import this one."""
     argv = list(argv)
-    debug = bool(os.environ.get("TRANSFORMER_DEBUG"))
     show = warnings.showwarning
-    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}",
-                                                          file=sys.stderr)
+    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}", file=sys.stderr)
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
@@ -538,7 +535,7 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
         print(f"error: interrupted ({name})", file=sys.stderr)
         return code
     except Exception as e:
-        if debug:
+        if os.environ.get("TRANSFORMER_DEBUG"):
             raise
         return report(e, argv[0] if argv else None)
     finally:
