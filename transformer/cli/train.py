@@ -405,9 +405,8 @@ def _results(args, split: str, final: dict, result, train_config: RunConfig, dev
 def _report(say, split: str, final: dict, result, results: dict) -> None:
     "The last lines `train` prints."
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
-        f"({result.eval_seconds / 60:.1f} of them validating), "
-        f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
-        f"from step {results['best_step']}")
+        f"({result.eval_seconds / 60:.1f} of them validating), {result.tokens_per_second:,.0f} "
+        f"target tokens/s of training; best.pt from step {results['best_step']}")
     if len(final["val_grid"]) > 1:
         say("val BLEU: " + ", ".join(
             f"{'best.pt' if r['snapshots'] == 0 else 'mean of %d' % r['snapshots']} "
@@ -417,6 +416,5 @@ def _report(say, split: str, final: dict, result, results: dict) -> None:
                if final["checkpoint"] == "averaged" else "")
             + f", alpha {final['alpha']:g}")
     for name, s in (("val", final["val"]), (split, final["test"]))[: 1 if split == "val" else 2]:
-        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {results['beam']}, "
-            f"alpha {final['alpha']:g})")
+        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  "
+            f"chrF {s['chrf']:.2f}  (beam {results['beam']}, alpha {final['alpha']:g})")
