@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import platform
 import re
@@ -16,7 +17,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import get_args, get_type_hints
 
@@ -81,10 +82,9 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-        ok = value >= low if low_ok else value > low
-        below = high is None or (value <= high if high_ok else value < high)
-        if not (ok and below
-                and float(value) not in (float("inf"), float("-inf"))):
+        if not ((value >= low if low_ok else value > low)
+                and (high is None or (value <= high if high_ok else value < high))
+                and math.isfinite(value)):
             raise argparse.ArgumentTypeError(f"{text} must be {rule}")
         return value
     parse.__name__ = kind.__name__
@@ -101,37 +101,33 @@ POSITIVE = _number(int)   # a count: --threads, --limit, --layer ...
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="python -m transformer",
-                     description="Train, use and score the Transformer of "
-                                 "'Attention Is All You Need'.")
+    parser = _Parser(prog="python -m transformer", description="Train, use and score the "
+                     "Transformer of 'Attention Is All You Need'.")
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _inference_parsers(sub)
     _export_parser(sub)
     _add_figure_commands(sub)       # plot, attend
-    # `bench` (appendix D), `sweep` (C.3) and `prepare` (A.1, transformer.engine.corpus)
-    # have parsers of their own, in modules this one may not import; `python -m
-    # transformer` hands them over before this parser runs. Listed here so that --help
-    # names every command.
+    # `bench` (appendix D), `sweep` (C.3) and `prepare` (A.1, transformer.engine.corpus) have
+    # parsers of their own, in modules this one may not import; `python -m transformer` hands
+    # them over before this parser runs. Listed here so that --help names every command.
     for name, help_ in (
             ("bench", "time a training step and greedy decoding against "
                       "torch.nn.Transformer (appendix D"),
             ("sweep", "train a committed list of variants, resumably (appendix C.3"),
             ("prepare", "tokenize a parallel corpus once into shards that train --data "
                         "streams (appendix A.1")):
-        sub.add_parser(name, help=f"{help_}; python -m transformer {name} --help)",
-                       add_help=False)
-    # named from the commands added above, so that --help and the error of a missing
-    # command list every one of them
+        sub.add_parser(name, help=f"{help_}; python -m transformer {name} --help)", add_help=False)
+    # named from the commands added above, so that --help and the error of a missing command
+    # list every one of them
     sub.metavar = "{" + ",".join(sub.choices) + "}"
     return parser
 
 
 def _unverified_flag(parser) -> None:
     parser.add_argument("--unverified-data", action="store_true",
-                        help="use Multi30k files that differ from the originals (their "
-                             "sha256 is checked otherwise): a corpus you changed on "
-                             "purpose")
+                        help="use Multi30k files that differ from the originals (their sha256 "
+                             "is checked otherwise): a corpus you changed on purpose")
 
 
 def _model_flags(parser, what: str = "a run directory written by train, or a model "
@@ -194,10 +190,9 @@ def _train_parser(sub) -> None:
     e.add_argument("--eval-sentences", type=POSITIVE, metavar="N",
                    help="translate only the first N sentences of each split")
     e.add_argument("--eval-share", type=_number(float, 0, 1, high_ok=True), default=0.1,
-                   metavar="F", help="the most of the run's time its evaluations may take: one "
-                                     "due every --eval-every steps is put off while it would "
-                                     "pass that share (default: 0.1; 1: every --eval-every "
-                                     "steps)")
+                   metavar="F", help="the most of the run's time its evaluations may take: one due "
+                                     "every --eval-every steps is put off while it would pass that "
+                                     "share (default: 0.1; 1: every --eval-every steps)")
     e.add_argument("--eval-split", choices=[s for s in SPLITS if s != "train"],
                    help="split scored at the end, besides val (default: test_2016_flickr; with "
                         "a prepared corpus, its test pairs if it has them; val: score val only)")
@@ -284,12 +279,9 @@ class _PrePost(argparse.Action):
 
 
 def _inference_parsers(sub) -> None:
-    for name, help_ in (("translate",
-                         "translate sentences given as arguments or on stdin"),
-                        ("evaluate",
-                         "score a model on a Multi30k split or on two files")):
-        c = sub.add_parser(name, help=help_,
-                           description=help_[0].upper() + help_[1:] + ".")
+    for name, help_ in (("translate", "translate sentences given as arguments or on stdin"),
+                        ("evaluate", "score a model on a Multi30k split or on two files")):
+        c = sub.add_parser(name, help=help_, description=help_[0].upper() + help_[1:] + ".")
         _model_flags(c)
         _decoding_flags(c)
         c.add_argument("--device", choices=DEVICES, default="auto")
@@ -299,8 +291,7 @@ def _inference_parsers(sub) -> None:
                        "(source + output length), summed (default: %(default)s); "
                        "memory follows it, not the input")
         c.add_argument("--quiet", action="store_true",
-                       help="no progress bar (there is none when stderr is not a "
-                            "terminal)")
+                       help="no progress bar (there is none when stderr is not a terminal)")
         if name == "translate":
             c.add_argument("text", nargs="*", metavar="TEXT",
                            help="sentences (default: one per line on stdin)")
@@ -322,19 +313,15 @@ def _inference_parsers(sub) -> None:
 
 
 def _export_parser(sub) -> None:
-    x = sub.add_parser("export",
-                       help="write a run's chosen weights, in half precision, as a "
-                            "small model directory",
-                       description="Write a run's chosen weights as "
-                                   "model.safetensors (half precision by default), "
-                                   "its tokenizer.model and config.json, a "
-                                   "results.json with the sha256 of the weights, and "
-                                   "a model card (README.md), to a new directory that "
-                                   "translate, evaluate and attend read like a run "
-                                   "directory.")
+    x = sub.add_parser("export", help="write a run's chosen weights, in half precision, as a "
+                                      "small model directory",
+                       description="Write a run's chosen weights as model.safetensors (half "
+                                   "precision by default), its tokenizer.model and config.json, "
+                                   "a results.json with the sha256 of the weights, and a model "
+                                   "card (README.md), to a new directory that translate, "
+                                   "evaluate and attend read like a run directory.")
     _model_flags(x, "a run directory written by train")
-    x.add_argument("--out", metavar="DIR", required=True,
-                   help="a new (or empty) directory")
+    x.add_argument("--out", metavar="DIR", required=True, help="a new (or empty) directory")
     x.add_argument("--half", action=argparse.BooleanOptionalAction, default=True,
                    help="store float16 weights (default; --no-half keeps float32)")
     x.add_argument("--web", action="store_true",
@@ -344,27 +331,23 @@ def _export_parser(sub) -> None:
                         "needs pip install 'transformer-book[web]'")
 
 
-
 def _add_figure_commands(sub) -> None:
     "The parsers of `plot` and `attend` (build_parser calls this)."
     p = sub.add_parser("plot", help="draw the learning curves of runs as an image",
-                       description="Draw the learning curves of one or more run "
-                                   "directories (their metrics.jsonl), overlaid: "
-                                   "training and validation loss, validation BLEU "
-                                   "by step and by wall-clock time, the learning "
-                                   "rate (appendix B.1).")
+                       description="Draw the learning curves of one or more run directories "
+                                   "(their metrics.jsonl), overlaid: training and validation "
+                                   "loss, validation BLEU by step and by wall-clock time, the "
+                                   "learning rate (appendix B.1).")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR",
                    help="run directories written by train")
     p.add_argument("--out", metavar="FILE", default="curves.png",
                    help="the image; its extension names the format: .png, .svg or "
                         ".pdf (default: curves.png)")
-    a = sub.add_parser("attend", help="draw what a model's heads attend to in a "
-                                      "sentence",
-                       description="Translate one sentence, then draw the attention "
-                                   "weights of one kind, every layer and head or "
-                                   "the ones named, with the subword pieces on the "
-                                   "axes (appendix B.1). Limits, checked before any "
-                                   "work: at most 200 pieces a side and 100,000,000 "
+    a = sub.add_parser("attend", help="draw what a model's heads attend to in a sentence",
+                       description="Translate one sentence, then draw the attention weights of "
+                                   "one kind, every layer and head or the ones named, with the "
+                                   "subword pieces on the axes (appendix B.1). Limits, checked "
+                                   "before any work: at most 200 pieces a side and 100,000,000 "
                                    "pixels (65,535 a side) in all.")
     a.add_argument("text", metavar="SENTENCE", help="the source sentence")
     _model_flags(a)
@@ -375,12 +358,10 @@ def _add_figure_commands(sub) -> None:
                    help="one layer, counted from 1 (default: all)")
     a.add_argument("--head", type=POSITIVE, metavar="H",
                    help="one head, counted from 1 (default: all)")
-    a.add_argument("--beam", type=BEAM, default=4, metavar="K",
-                   help=f"beam size of the translation (default: 4; 1 = greedy; at most "
-                        f"{MAX_BEAM})")
-    a.add_argument("--out", metavar="FILE",
-                   help="the image: .png, .svg or .pdf (default: "
-                        "attention-KIND[-layerL][-headH].png)")
+    a.add_argument("--beam", type=BEAM, default=4, metavar="K", help="beam size of the translation "
+                   f"(default: 4; 1 = greedy; at most {MAX_BEAM})")
+    a.add_argument("--out", metavar="FILE", help="the image: .png, .svg or .pdf (default: "
+                                                 "attention-KIND[-layerL][-headH].png)")
 
 # %% ../../book/c_commands.ipynb #c007
 def describe_device(device: torch.device) -> str:
@@ -401,8 +382,7 @@ def load_pairs(args, split: str, src: str, tgt: str) -> list[tuple[str, str]]:
     `--unverified-data`, `--eval-sentences` for the splits scored), with a missing or
     changed corpus said in the words of the command line."""
     try:
-        pairs = load_multi30k(src, tgt, split, data_dir=args.data,
-                              download=not args.no_download,
+        pairs = load_multi30k(src, tgt, split, data_dir=args.data, download=not args.no_download,
                               progress=not getattr(args, "quiet", False),
                               verify=not getattr(args, "unverified_data", False))
     except DataError as e:  # say it in the words of the command line
@@ -454,8 +434,7 @@ def keep_freed_memory() -> bool:
     glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_MAX, 0))
-                and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1)))
+        return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 
@@ -488,12 +467,10 @@ def provenance() -> dict:
         return done.stdout.strip() if done.returncode == 0 else None
 
     cpu = platform.processor() or platform.machine()
-    try:
+    with suppress(OSError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip()
                    for line in Path("/proc/cpuinfo").read_text().splitlines()
                    if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
     commit = git("rev-parse", "HEAD")
     return {"git_commit": commit,
             "git_dirty": None if commit is None else git("status", "--porcelain",
@@ -506,8 +483,7 @@ def provenance() -> dict:
 
 # %% ../../book/c_commands.ipynb #c013
 def _one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text or type(e).__name__
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 # what to lower when a command runs out of memory
@@ -518,29 +494,20 @@ _LOWER = {"train": "--batch-tokens (or choose a smaller --preset)",
           "export": "nothing: export needs memory for the model only; free some memory"}
 
 
-def _out_of_memory(e: BaseException) -> bool:
-    return isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or (
-        isinstance(e, RuntimeError) and "can't allocate memory" in str(e))
-
-
 def report(e: BaseException, command: str | None = None) -> int:
-    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or
-    running out of memory as one line on stderr; anything else as a bug, with its
-    traceback."""
-    if isinstance(e, UserError):
+    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or running
+    out of memory as one line on stderr; anything else as a bug, with its traceback."""
+    if isinstance(e, (UserError, OSError)):   # OSError: the machine's (a permission, a full disk)
         print(f"error: {_one_line(e)}", file=sys.stderr)
-        return e.code
-    if _out_of_memory(e):
+        return e.code if isinstance(e, UserError) else 1
+    if isinstance(e, (MemoryError, torch.cuda.OutOfMemoryError)) or (
+            isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
         print(f"error: out of memory ({_one_line(e)[:120]}); lower "
               f"{_LOWER.get(command, 'the batch or the input size')}", file=sys.stderr)
         return 1
-    if isinstance(e, OSError):     # the machine's answer: a permission, a full disk
-        print(f"error: {_one_line(e)}", file=sys.stderr)
-        return 1
     traceback.print_exception(e)
     print(f"error: this is a bug in the transformer package, not in your input "
-          f"({type(e).__name__}); please report it with the traceback above",
-          file=sys.stderr)
+          f"({type(e).__name__}); please report it with the traceback above", file=sys.stderr)
     return 70
 
 
@@ -551,10 +518,8 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
     command comes from the section that builds it (`train` from C.1, the others from C.2),
     and those sections import this one."""
     argv = list(argv)
-    debug = bool(os.environ.get("TRANSFORMER_DEBUG"))
     show = warnings.showwarning
-    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}",
-                                                          file=sys.stderr)
+    warnings.showwarning = lambda message, *a, **k: print(f"warning: {message}", file=sys.stderr)
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
@@ -570,7 +535,7 @@ def run_command(argv: list[str], commands: dict[str, Callable[[argparse.Namespac
         print(f"error: interrupted ({name})", file=sys.stderr)
         return code
     except Exception as e:
-        if debug:
+        if os.environ.get("TRANSFORMER_DEBUG"):
             raise
         return report(e, argv[0] if argv else None)
     finally:

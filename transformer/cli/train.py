@@ -54,16 +54,6 @@ from ..training import make_examples
 __all__ = ['prepared_corpus', 'cmd_train']
 
 # %% ../../book/c_1_train.ipynb #c009
-def _run_config(args, model_config: TransformerConfig,
-                train_config: RunConfig, corpus: ShardedCorpus | None = None) -> dict:
-    data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
-    if corpus is not None:       # a prepared corpus, by its manifest (it may move)
-        data.update(corpus=str(corpus.dir), corpus_pairs=len(corpus),
-                    corpus_manifest_sha256=sha256_file(corpus.dir / MANIFEST))
-    return {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
-            "preset": args.preset, "seed": train_config.seed}
-
-
 def prepared_corpus(args) -> Path | None:
     """The directory `--data` names when it holds a corpus written by `prepare` (appendix A.1);
     None for Multi30k's files (a directory holding multi30k/, or no --data). A directory that
@@ -121,18 +111,15 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
         # the data: every key the run recorded too (where it came from); not the corpus's
         # path, which may move
         keys = now[part].keys() | (was.keys() - {"corpus"} if part == "data" else set())
-        for key, value in ((k, now[part].get(k)) for k in sorted(keys)):
-            if part == "train" and key in RunConfig.RESUMABLE:
-                continue
-            if saved.get(part, {}).get(key) != value:
-                diffs.append(f"{key}={value!r} (the run has "
-                             f"{saved.get(part, {}).get(key)!r})")
+        for key in sorted(keys - set(RunConfig.RESUMABLE if part == "train" else ())):
+            value, had = now[part].get(key), saved.get(part, {}).get(key)
+            if had != value:
+                diffs.append(f"{key}={value!r} (the run has {had!r})")
     if saved.get("seed") != now["seed"]:
         diffs.append(f"seed={now['seed']} (the run has {saved.get('seed')!r})")
     if diffs:
-        raise CLIError(f"--resume with a different config than {path}: "
-                       + ", ".join(diffs) +
-                       "; drop those options, or train into a new --out")
+        raise CLIError(f"--resume with a different config than {path}: {', '.join(diffs)}; drop "
+                       "those options, or train into a new --out")
 
 
 def _arch(arch: str | None) -> None:
@@ -153,21 +140,15 @@ def _configs(args, vocab_size: int) -> tuple[TransformerConfig, RunConfig]:
     try:   # the rest of `given` is the model's
         return (TransformerConfig.preset(args.preset, src_vocab=vocab_size, tgt_vocab=vocab_size,
                                          **given), RunConfig.preset(args.preset, **train))
-    # "h=3 ..." -> "--heads 3 ..." (the flag as the command line has it)
-    except ValueError as e:
-        raise CLIError(re.sub(r"\b(\w+)=(\S+)", lambda m: _as_flag(m, args), str(e), count=2)
-                       ) from None
-
-
-def _as_flag(m: re.Match, args) -> str:
-    "`d_model=100` -> `--d-model 100`; `h=3` -> `--h 3`, or `--heads 3` if argv has --heads."
-    flags = CONFIG_FLAGS.get(m.group(1))
-    return f"{as_typed(flags, getattr(args, 'argv', []))} {m.group(2)}" if flags else m.group(0)
+    except ValueError as e:   # "d_model=100" -> "--d-model 100", "h=3" -> "--heads 3" as typed
+        def as_flag(m: re.Match) -> str:
+            flags = CONFIG_FLAGS.get(m.group(1))
+            return f"{as_typed(flags, getattr(args, 'argv', []))} {m.group(2)}" if flags else m[0]
+        raise CLIError(re.sub(r"\b(\w+)=(\S+)", as_flag, str(e), count=2)) from None
 
 
 def _check_out(out: Path, args) -> None:
-    ("A fresh run needs a directory free of other runs' files; --resume needs a run "
-     "to continue.")
+    "A fresh run needs a directory free of other runs' files; --resume needs a run to continue."
     if out.exists() and not out.is_dir():
         raise CLIError(f"--out {out} is a file, not a directory; pass a directory "
                        "(it is created if missing)")
@@ -195,30 +176,25 @@ def _check_out(out: Path, args) -> None:
                        "or pass another --out")
     found = [p.name for p in run_files(out)]
     if found:
-        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) "
-                       "but no last.pt to resume; pass another --out, or delete "
-                       "those files")
+        raise CLIError(f"{out} holds files of another run ({', '.join(found[:4])}) but no "
+                       "last.pt to resume; pass another --out, or delete those files")
 
 
 def _check_batch_tokens(args, train_config: RunConfig, longest: int, pieces: int,
                         exact: bool) -> None:
-    ("Every training pair must fit one piece of a step: batch_tokens / pieces padded "
-     "slots.")
+    "Every training pair must fit one piece of a step: batch_tokens / pieces padded slots."
     if train_config.batch_tokens // pieces < longest:
         split = (f" in each of the {pieces} pieces of a step (--accum-steps, processes)"
                  if pieces > 1 else "")
-        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: "
-                       "the longest training pair needs "
-                       f"{'' if exact else 'at least '}{longest} tokens{split}; "
-                       f"use --batch-tokens {longest * pieces} or more (the "
-                       f"{args.preset} preset uses "
-                       f"{RunConfig.preset(args.preset).batch_tokens})")
+        raise CLIError(f"--batch-tokens {train_config.batch_tokens} is too small: the longest "
+                       f"training pair needs {'' if exact else 'at least '}{longest} tokens"
+                       f"{split}; use --batch-tokens {longest * pieces} or more (the "
+                       f"{args.preset} preset uses {RunConfig.preset(args.preset).batch_tokens})")
 
 
 def cmd_train(args) -> int:
     if args.src == args.tgt:
-        raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different "
-                       "languages")
+        raise CLIError(f"--src and --tgt are both {args.src!r}; pick two different languages")
     if args.buckets and not args.compile:
         raise CLIError(f"--buckets {args.buckets} pads batches for a compiled step; add "
                        "--compile, or drop --buckets")
@@ -233,8 +209,7 @@ def cmd_train(args) -> int:
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it
-    # saves and stops
+    # SIGTERM as Ctrl-C: before the loop it ends the run cleanly, in the loop it saves and stops
     try:
         with sigterm_as_interrupt():
             return _train(args, device, rank, world_size)
@@ -246,8 +221,7 @@ def cmd_train(args) -> int:
 def _train(args, device: torch.device, rank: int, world_size: int) -> int:
     ("Check every flag, then the run directory, which process 0 holds (`run_lock`) "
      "for the whole run.")
-    out = (Path(args.out) if args.out
-           else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}")
+    out = Path(args.out) if args.out else Path("runs") / f"{args.preset}-{args.src}-{args.tgt}"
     # every flag checked before any work
     _configs(args, args.vocab_size or VOCAB_SIZE)
     if rank != 0:
@@ -282,54 +256,44 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     train_pairs = None if corpus else load_pairs(args, "train", args.src, args.tgt)
     tokenizer, model_config, train_config, examples = _prepare(
         out, args, train_pairs, rank, world_size, corpus)
-    tok_path = out / "tokenizer.model"
-    run = {"tokenizer_sha256": sha256_file(tok_path)}  # every checkpoint names it
+    run = {"tokenizer_sha256": sha256_file(out / "tokenizer.model")}  # every checkpoint names it
     # now: the files may change while a long run goes on
     facts = provenance()
     torch.manual_seed(train_config.seed)
     model = build_model(model_config).to(device)
     val_examples = make_examples(tokenizer, val_pairs, model_config.max_len)
-    say(f"{'resuming' if args.resume else 'training'} {args.preset} "
-        f"({model.num_parameters():,} parameters, "
-        f"vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} "
-        f"{args.src}->{args.tgt} pairs{f' of {corpus}' if corpus else ''}; "
-        f"{describe_device(device)}"
+    say(f"{'resuming' if args.resume else 'training'} {args.preset} ({model.num_parameters():,} "
+        f"parameters, vocabulary {tokenizer.vocab_size:,}) on {len(examples):,} {args.src}->"
+        f"{args.tgt} pairs{f' of {corpus}' if corpus else ''}; {describe_device(device)}"
         f"{f', {world_size} processes' if world_size > 1 else ''}; run directory {out}")
-    result = train(model, examples, val_examples, train_config, out_dir=out,
-                   resume=args.resume,
+    result = train(model, examples, val_examples, train_config, out_dir=out, resume=args.resume,
                    on_eval=bleu_callback(tokenizer, val_pairs, beam_size=1),
-                   progress=not args.quiet, run=run,
-                   eval_share=None if args.eval_share == 1 else args.eval_share,
-                   buckets=args.buckets)
+                   progress=not args.quiet, run=run, buckets=args.buckets,
+                   eval_share=None if args.eval_share == 1 else args.eval_share)
+    def again(*more: str) -> str:   # the command that continues this run
+        return "python -m transformer " + shlex.join(
+            [*args.argv, *([] if args.resume else ["--resume"]), *more])
     if result.stopped == "interrupted":
         signum = result.signal or signal.SIGINT
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"])])
         print(f"{signal.Signals(signum).name} at step {result.step}: saved "
-              f"{out / 'last.pt'}; continue with: {again}",
-              file=sys.stderr)
+              f"{out / 'last.pt'}; continue with: {again()}", file=sys.stderr)
         # the shell's convention: 130 for SIGINT, 143 for SIGTERM
         return 128 + signum
     if rank != 0:
         return 0
     final_start = time.perf_counter()
     try:
-        final = final_evaluation(
-            out, tokenizer, val_pairs, test_pairs, beam_size=args.beam,
-            average=train_config.keep_checkpoints,
-            alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha,
-            model=model, device=device, run=run)
+        final = final_evaluation(out, tokenizer, val_pairs, test_pairs, beam_size=args.beam,
+                                 average=train_config.keep_checkpoints, model=model, device=device,
+                                 alpha=TRAIN_ALPHAS if args.alpha is None else args.alpha, run=run)
     except KeyboardInterrupt as e:
         # resumed at its last step, the loop trains no step: only this evaluation runs;
         # a run --max-minutes stopped earlier would train on, so --max-steps pins it
-        again = "python -m transformer " + shlex.join(
-            [*args.argv, *([] if args.resume else ["--resume"]),
-             *([] if result.step >= train_config.max_steps
-               else ["--max-steps", str(result.step)])])
+        pin = [] if result.step >= train_config.max_steps else ["--max-steps", str(result.step)]
         name = "SIGTERM" if isinstance(e, Terminated) else "SIGINT"
         print(f"{name} during the final evaluation: training finished (step "
               f"{result.step}) and its checkpoints are saved in {out}; redo the final "
-              f"evaluation with: {again}", file=sys.stderr)
+              f"evaluation with: {again(*pin)}", file=sys.stderr)
         return 128 + getattr(signal, name)
     results = _results(args, split, final, result, train_config, device, world_size,
                        time.perf_counter() - final_start, facts)
@@ -338,8 +302,7 @@ def _train_in(out: Path, args, device: torch.device, rank: int, world_size: int)
     return 0
 
 
-def _prepare(out: Path, args, train_pairs, rank: int, world_size: int,
-             corpus: Path | None = None):
+def _prepare(out: Path, args, train_pairs, rank: int, world_size: int, corpus: Path | None):
     """The tokenizer (trained; a prepared corpus's; the run's own on --resume), the configs
     and the training examples, each checked before the next; config.json written."""
     if corpus is not None:
@@ -365,9 +328,8 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int,
     tokenizer = Tokenizer.load(tok_path)
     V = tokenizer.vocab_size
     if args.resume and args.vocab_size not in (None, V):
-        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's "
-                       f"vocabulary is fixed by its {tok_path} ({V} pieces); drop "
-                       "--vocab-size")
+        raise CLIError(f"--vocab-size {args.vocab_size} with --resume: the run's vocabulary is "
+                       f"fixed by its {tok_path} ({V} pieces); drop --vocab-size")
     model_config, train_config = _configs(args, V)
     if corpus is not None:   # the ids prepare wrote, pairs longer than the model left out
         examples = fixed = ShardedCorpus(corpus, max_len=model_config.max_len)
@@ -386,8 +348,12 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int,
     if corpus is None:
         longest = max(max(len(s), len(t)) for s, t in fixed)
     _check_batch_tokens(args, train_config, longest, pieces, exact=True)
-    run_config = _run_config(args, model_config, train_config,
-                             examples if corpus is not None else None)
+    data = {"src": args.src, "tgt": args.tgt, "vocab_size": model_config.src_vocab}
+    if corpus is not None:       # a prepared corpus, by its manifest (it may move)
+        data.update(corpus=str(corpus), corpus_pairs=len(examples),
+                    corpus_manifest_sha256=sha256_file(corpus / MANIFEST))
+    run_config = {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
+                  "preset": args.preset, "seed": train_config.seed}     # config.json
     if args.resume:
         _check_same_run(json.loads((out / "config.json").read_text()), run_config,
                         out / "config.json")
@@ -418,27 +384,20 @@ def _results(args, split: str, final: dict, result, train_config: RunConfig, dev
     def scores(s: dict) -> dict:
         return {k: s[k] for k in ("bleu", "bleu_lc_tok", "chrf")}
 
-    return {**scores(final["test"]),
-            "split": split, "beam": args.beam, "alpha": final["alpha"],
+    return {**scores(final["test"]), "split": split, "beam": args.beam, "alpha": final["alpha"],
             "checkpoint": final["checkpoint"], "averaged": final["averaged"],
             "greedy": scores(final["greedy"]), "val": scores(final["val"]),
-            "val_by_checkpoint": {name: scores(s)
-                                  for name, s in final["val_by_checkpoint"].items()},
+            "val_by_checkpoint": {k: scores(s) for k, s in final["val_by_checkpoint"].items()},
             "val_grid": [{"snapshots": row["snapshots"], "alpha": row["alpha"], **scores(row)}
                          for row in final["val_grid"]],
-            "final_eval_seconds": final_seconds,
-            "train_seconds": result.train_seconds,
-            "eval_seconds": result.eval_seconds,
-            "tokens_per_second": result.tokens_per_second,
-            "steps": result.step, "epochs": round(result.epochs, 3),
-            "stopped": result.stopped,
-            "best_step": (result.best or {}).get("step"),
-            "device": describe_device(device),
+            "final_eval_seconds": final_seconds, "train_seconds": result.train_seconds,
+            "eval_seconds": result.eval_seconds, "tokens_per_second": result.tokens_per_second,
+            "steps": result.step, "epochs": round(result.epochs, 3), "stopped": result.stopped,
+            "best_step": (result.best or {}).get("step"), "device": describe_device(device),
             "world_size": world_size, "torch": torch.__version__,
-            "params": final["model"].num_parameters(),
-            "preset": args.preset, "src": args.src, "tgt": args.tgt,
-            "eval_sentences": args.eval_sentences, "signatures": final["test"]["signatures"],
-            "train_config": asdict(train_config),
+            "params": final["model"].num_parameters(), "preset": args.preset, "src": args.src,
+            "tgt": args.tgt, "eval_sentences": args.eval_sentences,
+            "signatures": final["test"]["signatures"], "train_config": asdict(train_config),
             "command": "python -m transformer " + " ".join(args.argv), **provenance,
             "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
@@ -446,9 +405,8 @@ def _results(args, split: str, final: dict, result, train_config: RunConfig, dev
 def _report(say, split: str, final: dict, result, results: dict) -> None:
     "The last lines `train` prints."
     say(f"{result.step} steps in {result.train_seconds / 60:.1f} min "
-        f"({result.eval_seconds / 60:.1f} of them validating), "
-        f"{result.tokens_per_second:,.0f} target tokens/s of training; best.pt "
-        f"from step {results['best_step']}")
+        f"({result.eval_seconds / 60:.1f} of them validating), {result.tokens_per_second:,.0f} "
+        f"target tokens/s of training; best.pt from step {results['best_step']}")
     if len(final["val_grid"]) > 1:
         say("val BLEU: " + ", ".join(
             f"{'best.pt' if r['snapshots'] == 0 else 'mean of %d' % r['snapshots']} "
@@ -457,8 +415,6 @@ def _report(say, split: str, final: dict, result, results: dict) -> None:
             + (f" ({len(final['averaged'])} snapshots)"
                if final["checkpoint"] == "averaged" else "")
             + f", alpha {final['alpha']:g}")
-    for name, s in (("val", final["val"]),
-                    (split, final["test"]))[: 1 if split == "val" else 2]:
-        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-            f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}  (beam {results['beam']}, "
-            f"alpha {final['alpha']:g})")
+    for name, s in (("val", final["val"]), (split, final["test"]))[: 1 if split == "val" else 2]:
+        say(f"{name}: BLEU {s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  "
+            f"chrF {s['chrf']:.2f}  (beam {results['beam']}, alpha {final['alpha']:g})")

@@ -49,8 +49,7 @@ def _lines(raw, name: str) -> Iterator[str]:
     ("The lines of a binary stream, decoded one at a time: a line ends at \\n, \\r\\n or a "
      "lone \\r (old Mac files); a leading BOM is dropped; a bad byte or an endless line is "
      "a `CLIError` that says where.")
-    text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape",
-                            newline=None)
+    text = io.TextIOWrapper(raw, encoding="utf-8-sig", errors="surrogateescape", newline=None)
     try:
         for number in itertools.count(1):
             if not (line := text.readline(MAX_LINE + 1)):
@@ -118,8 +117,7 @@ def cmd_translate(args) -> int:
         if text:
             break
     else:
-        raise CLIError("no input: pass sentences as arguments, or pipe them to "
-                       "stdin one per line")
+        raise CLIError("no input: pass sentences as arguments, or pipe them to stdin one per line")
     model, tokenizer, _ = _setup_inference(args)
     texts = itertools.chain(head, lines)
     with _progress(args, len(args.text) if args.text else None) as bar:
@@ -129,21 +127,21 @@ def cmd_translate(args) -> int:
     return 0
 
 
-def _check_output(flag: str, out: str, inputs: list, run_dir) -> None:
-    """Before any work: `out` is a file we can write, in an existing directory, and
+def _check_output(out: str, inputs: list, run_dir) -> None:
+    """Before any work: --output `out` is a file we can write, in an existing directory, and
     neither one of the command's inputs nor a file of the run it reads."""
     path = Path(out).resolve()
     if Path(out).is_dir() or not path.parent.is_dir():
-        raise CLIError(f"{flag} {out}: name a file in an existing directory")
+        raise CLIError(f"--output {out}: name a file in an existing directory")
     for given in inputs:
         if given is not None and Path(given).resolve() == path:
-            raise CLIError(f"{flag} {out} is also an input of this command; "
+            raise CLIError(f"--output {out} is also an input of this command; "
                            "write the output to another file")
     if path.exists() and run_dir is not None and path.parent == Path(run_dir).resolve():
-        raise CLIError(f"{flag} {out} would overwrite a file of the run directory "
+        raise CLIError(f"--output {out} would overwrite a file of the run directory "
                        f"{run_dir}; write the output elsewhere")
     if not os.access(path if path.exists() else path.parent, os.W_OK):
-        raise CLIError(f"{flag} {out}: not writable here; choose another place")
+        raise CLIError(f"--output {out}: not writable here; choose another place")
 
 
 def _text_file(path: str, flag: str):
@@ -175,15 +173,13 @@ def _file_pairs(args) -> Iterator[tuple[str, str]]:
     with (_text_file(args.src_file, "--src-file") as s,
           _text_file(args.ref_file, "--ref-file") as r):
         n = [0, 0]
-        for pair in itertools.zip_longest(_lines(s, args.src_file),
-                                          _lines(r, args.ref_file)):
+        for pair in itertools.zip_longest(_lines(s, args.src_file), _lines(r, args.ref_file)):
             n = [k + (x is not None) for k, x in zip(n, pair)]
             if None not in pair:
                 yield pair[0].strip(), pair[1].strip()
     if n[0] != n[1]:
-        raise CLIError(f"line counts differ: {args.src_file} has {n[0]} lines, "
-                       f"{args.ref_file} has {n[1]} lines; line i of one file must "
-                       "translate line i of the other")
+        raise CLIError(f"line counts differ: {args.src_file} has {n[0]} lines, {args.ref_file} "
+                       f"has {n[1]} lines; line i of one file must translate line i of the other")
 
 
 def _check_files(args) -> int:
@@ -222,20 +218,17 @@ class _Scores:
     def result(self) -> dict:
         out = {name: m._aggregate_and_compute([self.stats[name]]).score
                for name, m in self.metrics.items()}
-        out["signatures"] = {name: str(m.get_signature())
-                             for name, m in self.metrics.items()}
+        out["signatures"] = {name: str(m.get_signature()) for name, m in self.metrics.items()}
         return out
 
 
 def cmd_evaluate(args) -> int:
     if (args.src_file is None) != (args.ref_file is None):
-        raise CLIError("--src-file and --ref-file go together: pass both, or "
-                       "neither and --split")
+        raise CLIError("--src-file and --ref-file go together: pass both, or neither and --split")
     if args.src_file and args.split:
         raise CLIError("pass either --split or --src-file/--ref-file, not both")
     if args.output:
-        _check_output("--output", args.output, [args.src_file, args.ref_file],
-                      args.model)
+        _check_output(args.output, [args.src_file, args.ref_file], args.model)
     # the files are read before the model loads: a bad one fails at once
     if args.src_file:
         total, where = _check_files(args), f"{args.src_file} -> {args.ref_file}"
@@ -244,8 +237,8 @@ def cmd_evaluate(args) -> int:
     if not args.src_file:
         data = config.get("data", {})
         if "src" not in data or "tgt" not in data:
-            raise CLIError(f"{args.model}/config.json does not say the languages; "
-                           "use --src-file/--ref-file")
+            raise CLIError(f"{args.model}/config.json does not say the languages; use "
+                           "--src-file/--ref-file")
         split = args.split or "test_2016_flickr"
         pairs = load_pairs(args, split, data["src"], data["tgt"])
         total, where = len(pairs), f"{split} ({data['src']}->{data['tgt']})"
@@ -270,33 +263,28 @@ def cmd_evaluate(args) -> int:
                           "sentences": total, "beam": args.beam, "alpha": args.alpha,
                           "signatures": s["signatures"]}))
     else:
-        print(f"{where}, {total} sentences, beam {args.beam}: BLEU "
-              f"{s['bleu']:.2f} (sacreBLEU, cased)  lc-tok BLEU "
-              f"{s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
+        print(f"{where}, {total} sentences, beam {args.beam}: BLEU {s['bleu']:.2f} (sacreBLEU, "
+              f"cased)  lc-tok BLEU {s['bleu_lc_tok']:.2f}  chrF {s['chrf']:.2f}")
     return 0
 
 
 def cmd_export(args) -> int:
-    """Write a run's chosen weights as a model directory, the way the field ships one
-    (appendix E.1's `TrainedModel.export`): model.safetensors in half precision
-    (`--half`, the default; the same translations up to rounding), tokenizer.model,
-    config.json, results.json (the source run, its scores, the weights' sha256) and a
-    model card, README.md. `translate`, `evaluate` and `attend` read it like a run.
+    """Write a run's chosen weights as a model directory (appendix E.1's `TrainedModel.export`):
+    model.safetensors (float16 unless `--no-half`), tokenizer.model, config.json, results.json
+    and a model card, README.md; `translate`, `evaluate` and `attend` read it like a run.
     `--web`: the two ONNX graphs and the tokenizer a web page runs (appendix I)."""
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CLIError(f"--out {out} exists and is not an empty directory; pass a "
-                       "new directory")
-    if getattr(args, "web", False):
+        raise CLIError(f"--out {out} exists and is not an empty directory; pass a new directory")
+    if args.web:
         return web.cmd_export_web(args)
     trained = load(args.model, args.checkpoint)
     trained.export(out, half=args.half)
     results = json.loads((out / "results.json").read_text())
     size = (out / WEIGHTS).stat().st_size
-    print(f"wrote {out}: {trained.path.name} of {args.model} as {results['dtype']} "
-          f"weights ({WEIGHTS}, {size / 2**20:.1f} MiB, sha256 "
-          f"{results['weights_sha256'][:12]}…), tokenizer.model, config.json, "
-          "results.json, README.md")
+    print(f"wrote {out}: {trained.path.name} of {args.model} as {results['dtype']} weights "
+          f"({WEIGHTS}, {size / 2**20:.1f} MiB, sha256 {results['weights_sha256'][:12]}…), "
+          "tokenizer.model, config.json, results.json, README.md")
     return 0
 
 # %% ../../book/c_2_use.ipynb #c011b
@@ -321,10 +309,8 @@ def _image_out(out: str) -> Path:
     except ValueError as e:
         raise CLIError(f"--out {e}") from None
     if not path.parent.is_dir():
-        raise CLIError(f"--out {path}: there is no directory {path.parent}; create "
-                       "it first")
-    if not os.access(path.parent, os.W_OK) or (path.exists()
-                                               and not os.access(path, os.W_OK)):
+        raise CLIError(f"--out {path}: there is no directory {path.parent}; create it first")
+    if not os.access(path.parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
         raise CLIError(f"--out {path}: cannot write there; pick a writable place")
     return path
 
@@ -371,13 +357,11 @@ def cmd_attend(args) -> int:
     for what, n, have in (("layer", args.layer, model.config.n_layers),
                           ("head", args.head, model.config.h)):
         if n is not None and n > have:
-            raise CLIError(f"--{what} {n}: the model has {have} {what}s; pass 1 to "
-                           f"{have}")
+            raise CLIError(f"--{what} {n}: the model has {have} {what}s; pass 1 to {have}")
     # a figure too large to draw is refused: the sentence before translating, the
     # image (its size follows from the pieces) before drawing
     limit = min(plots.MAX_PIECES, model.config.max_len)
-    _check_pieces("the sentence", len(tokenizer.encode(args.text.strip(), eos=True)),
-                  limit)
+    _check_pieces("the sentence", len(tokenizer.encode(args.text.strip(), eos=True)), limit)
     weights = plots.attention_weights(model, tokenizer, args.text, args.beam)
     _check_pieces("the translation", len(weights.written), limit)
     rows, cols = weights.pieces(args.kind)
