@@ -313,6 +313,8 @@ BAD = [  # (what, argv, exit code, part of the message)
     ("unknown preset", ["train", "--preset", "huge"], 2, "invalid choice: 'huge'"),
     ("zero steps", ["train", "--max-steps", "0"], 2, "0 must be > 0"),
     ("not a number", ["train", "--max-minutes", "soon"], 2, "'soon' is not a number"),
+    ("steps past a C int", ["train", "--max-steps", "2147483648"], 2, "2147483648 is too large (at most 2147483647)"),
+    ("400-digit threads", ["translate", "--model", "m", "--threads", "9" * 400, "x"], 2, "is too large (at most 2147483647)"),
     ("no command", [], 2, "required: {train,translate,evaluate,export,plot,attend,bench,sweep,prepare}"),
     ("unknown command", ["fly"], 2, "invalid choice: 'fly'"),
     ("unknown option", ["train", "--learning-rate", "1"], 2, "unrecognized arguments"),

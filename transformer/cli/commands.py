@@ -30,7 +30,7 @@ from ..engine.trained import BATCH_TOKENS
 from ..model import POSITIONS, PRESETS, TransformerConfig
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'INT_MAX', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
            'RUN_FILES', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'CLIError', 'as_typed', 'build_parser',
            'describe_device', 'load_pairs', 'Terminated', 'sigterm_as_interrupt', 'run_files', 'keep_freed_memory',
            'cap_kernel_cache', 'provenance', 'report', 'run_command']
@@ -70,6 +70,9 @@ def as_typed(flags: list[str], argv: list[str]) -> str:
     return next((f for a in argv for f in flags if a == f or a.startswith(f + "=")), flags[0])
 
 
+INT_MAX = 2**31 - 1   # the largest count a flag takes
+
+
 def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = False,
             high_ok: bool = False):
     ("An argparse type: a finite `kind` in (low, high); `low_ok`, `high_ok` close the "
@@ -82,6 +85,8 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if kind is int and value > INT_MAX:   # torch and numpy take counts as C ints
+            raise argparse.ArgumentTypeError(f"{text} is too large (at most {INT_MAX})")
         if not ((value >= low if low_ok else value > low)
                 and (high is None or (value <= high if high_ok else value < high))
                 and math.isfinite(value)):
