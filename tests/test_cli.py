@@ -1003,6 +1003,9 @@ def test_resume_of_a_run_from_before_the_shape_fields(small, sliced, tmp_path, c
     code, stdout, err = run(*more, *SMALL, "--positions", "none", "--out", out, "--resume")
     assert_one_line_error(code, stdout, err, 1, "--resume with a different config")
     assert "positions='none' (the run has 'sinusoidal')" in err
+    code, stdout, err = run(*more, *SMALL, "--seed", 7, "--out", out, "--resume")   # the seed, named once
+    assert_one_line_error(code, stdout, err, 1, "--resume with a different config")
+    assert err.count("seed=7 (the run has 0)") == 1, err
 
 
 # --- train --data DIR: a corpus written by `prepare` (issue 32) --------------------------------------

@@ -117,7 +117,8 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
                 diffs.append(f"{key}={value!r} (the run has {had!r})")
     if saved.get("seed") != now["seed"]:
         diffs.append(f"seed={now['seed']} (the run has {saved.get('seed')!r})")
-    if diffs:
+    if diffs:   # the seed is recorded twice (in train and on its own): named once
+        diffs = dict.fromkeys(diffs)
         raise CLIError(f"--resume with a different config than {path}: {', '.join(diffs)}; drop "
                        "those options, or train into a new --out")
 
