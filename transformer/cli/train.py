@@ -88,9 +88,8 @@ def _held_out(args, corpus: Path | None) -> tuple[list, list | None, str]:
                        f"{corpus} is a prepared corpus: it is scored on its own test pairs "
                        "(prepare --test-files); drop --eval-split, or pass val")
     opened = ShardedCorpus(corpus, verify=False)
-    n = args.eval_sentences
-    val = opened.split("val")[:n]
-    test = (opened.split("test")[:n] if args.eval_split is None
+    val = opened.split("val")[:args.eval_sentences]
+    test = (opened.split("test")[:args.eval_sentences] if args.eval_split is None
             and "test" in opened.manifest.get("splits", {}) else None)
     return val, test, "val" if test is None else "test"
 
