@@ -391,7 +391,7 @@ class _Loop:
                     snap = c.keep_checkpoints and (step % (c.snapshot_every or c.eval_every) == 0
                                                    or (done and stopped != "interrupted"))
                     due = step % c.eval_every == 0
-                    evaluate = (due and self.evaluation_fits() or done) and stopped != "interrupted"
+                    evaluate = ((due and self.evaluation_fits()) or done) and stopped != "interrupted"
                     if step % c.log_every == 0 or done:
                         self.log_train(lr, bar)     # reads the device; raises on NaN
                     elif snap or evaluate:
