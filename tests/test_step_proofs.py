@@ -36,9 +36,9 @@ def tiny_model():
                                          dropout=0.1, max_len=32))
 
 
-def python_calls_per_step(monkeypatch, batch_tokens, steps=6):
+def python_calls_per_step(monkeypatch, batch_tokens, steps=6, **run):
     """(calls of every step, sentences of every step): the Python function calls `_Loop.step` makes on the
-    training thread."""
+    training thread; `run`: more of the RunConfig (log_every, accum_steps)."""
     step, calls, sentences = loop._Loop.step, [], []
 
     def counted(self, tensors, n):
@@ -55,8 +55,8 @@ def python_calls_per_step(monkeypatch, batch_tokens, steps=6):
             calls.append(count[0])
             sentences.append(sum(t.size(0) for t in tensors[::2]))
     monkeypatch.setattr(loop._Loop, "step", counted)
-    train(tiny_model(), DATA, None, RunConfig(batch_tokens=batch_tokens, max_steps=steps, warmup=10,
-                                                log_every=3, eval_every=100), progress=False)
+    train(tiny_model(), DATA, None, RunConfig(**{**dict(batch_tokens=batch_tokens, max_steps=steps, warmup=10,
+                                                        log_every=3, eval_every=100), **run}), progress=False)
     monkeypatch.setattr(loop._Loop, "step", step)
     return calls, sentences
 
@@ -74,24 +74,7 @@ def test_the_python_calls_of_a_step_do_not_grow_with_the_batch(monkeypatch):
 def test_the_python_calls_of_a_step_do_not_grow_with_accumulated_pieces_either(monkeypatch):
     "With accum_steps=2 each step runs two pieces: a constant more per step, whatever the batch."
     def run(batch_tokens):
-        step, calls = loop._Loop.step, []
-
-        def counted(self, tensors, n):
-            count = [0]
-
-            def profile(frame, event, arg):
-                count[0] += event == "call"
-            sys.setprofile(profile)
-            try:
-                return step(self, tensors, n)
-            finally:
-                sys.setprofile(None)
-                calls.append(count[0])
-        monkeypatch.setattr(loop._Loop, "step", counted)
-        train(tiny_model(), DATA, None, RunConfig(batch_tokens=batch_tokens, max_steps=4, warmup=10,
-                                                    log_every=2, eval_every=100, accum_steps=2), progress=False)
-        monkeypatch.setattr(loop._Loop, "step", step)
-        return calls
+        return python_calls_per_step(monkeypatch, batch_tokens, steps=4, log_every=2, accum_steps=2)[0]
     run(640)                                          # what a process does once (torch's lazy set-ups)
     assert run(640) == run(10240)
 
