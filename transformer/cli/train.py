@@ -99,8 +99,9 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
     if "model" in saved:  # a run from before a field existed has its default
         _arch(saved["model"].get("arch"))
         saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
-    if "train" in saved:
-        saved = {**saved, "train": {**asdict(RunConfig()), **saved["train"]}}
+    if "train" in saved:   # the seed also stands on its own in config.json: one comparison
+        saved = {**saved, "train": {**asdict(RunConfig()), "seed": saved.get("seed", 0),
+                                    **saved["train"]}}
     was = saved.get("data", {})
     if "corpus_manifest_sha256" in was and "corpus_manifest_sha256" not in now["data"]:
         corpus = was.get("corpus", f"of {was.get('corpus_pairs')} pairs")
@@ -114,10 +115,7 @@ def _check_same_run(saved: dict, now: dict, path: Path) -> None:
             value, had = now[part].get(key), saved.get(part, {}).get(key)
             if had != value:
                 diffs.append(f"{key}={value!r} (the run has {had!r})")
-    if saved.get("seed") != now["seed"]:
-        diffs.append(f"seed={now['seed']} (the run has {saved.get('seed')!r})")
-    if diffs:   # the seed is recorded twice (in train and on its own): named once
-        diffs = dict.fromkeys(diffs)
+    if diffs:
         raise CLIError(f"--resume with a different config than {path}: {', '.join(diffs)}; drop "
                        "those options, or train into a new --out")
 
