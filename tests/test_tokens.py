@@ -9,7 +9,7 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from transformer.data import load_multi30k, shard_batches
+from transformer.data import load_multi30k
 from transformer.tokens import BOS, EOS, PAD, UNK, Embeddings, Tokenizer, pad_batch, token_batches
 
 
@@ -252,19 +252,6 @@ def test_batches_source_only_and_max_sentences():
     assert sorted(i for b in batches for i in b) == list(range(100))
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_batches_shard_by_rank(world_size):
-    src, tgt = random_pairs(500, 5)
-    full = token_batches(src, tgt, 300, seed=1)
-    shards = [shard_batches(full, r, world_size) for r in range(world_size)]   # appendix A: a rank's share
-    assert len({len(s) for s in shards}) == 1  # every rank takes the same number of steps
-    seen = [i for s in shards for b in s for i in b]
-    assert len(seen) == len(set(seen))  # no pair on two ranks
-    dropped = [b for b in full if b not in [b for s in shards for b in s]]
-    assert len(dropped) < world_size
-    assert sorted(seen + [i for b in dropped for i in b]) == list(range(500))
-
-
 @pytest.mark.slow
 def test_bucketing_pads_less_than_random_batches(tok):
     pairs = multi30k("train")[:4000]
@@ -299,17 +286,6 @@ def test_bucketing_pads_less_than_random_batches(tok):
 def test_batches_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         token_batches(**kwargs)
-
-
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(world_size=0), r"world_size=0"),
-    (dict(rank=2, world_size=2), r"rank=2 must be in \[0, world_size=2\)"),
-    (dict(rank=1, world_size=2), r"only 1 batches for world_size=2"),
-])
-def test_shards_bad_input(kwargs, match):
-    "The sharding of appendix A (moved out of token_batches by issue 42) refuses what token_batches refused."
-    with pytest.raises(ValueError, match=match):
-        shard_batches(token_batches([[1]]), **kwargs)
 
 
 # --- padding --------------------------------------------------------------------------------

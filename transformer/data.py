@@ -49,7 +49,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'is_number', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'shard_batches', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'is_number', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -557,23 +557,6 @@ def batch_costs(src_lens: Sequence[int], tgt_lens: Sequence[int], max_tokens: in
                          f"max_tokens={max_tokens}; "
                          f"raise max_tokens or drop pairs longer than it")
     return cost
-
-
-def shard_batches(batches: list[list[int]], rank: int = 0,
-                  world_size: int = 1) -> list[list[int]]:
-    """Rank `rank`'s share of an epoch: every `world_size`-th batch, after dropping the
-    last few (fewer than `world_size`) so that every rank runs the same number of steps."""
-    if not is_int(world_size) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r} must be an int >= 1")
-    if not is_int(rank) or not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank!r} must be in [0, world_size={world_size})")
-    if world_size == 1:
-        return batches
-    usable = len(batches) // world_size * world_size
-    if usable == 0:
-        raise ValueError(f"only {len(batches)} batches for "
-                         f"world_size={world_size}; lower max_tokens")
-    return batches[:usable][rank::world_size]
 
 
 def id_rows(seqs) -> list[torch.Tensor]:
