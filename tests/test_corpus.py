@@ -228,9 +228,10 @@ def test_collate_is_chapter_8s_collate_across_shards_and_with_max_len(prepared, 
         idx = rng.choice(N, 40, replace=False)                    # pairs of all three shards, in any order
         for got, want in zip(corpus.collate(idx), collate(examples, idx.tolist()), strict=True):
             assert got.dtype == want.dtype and got.equal(want)
-    short = ShardedCorpus(corpus.dir, max_len=20)                  # as make_examples(..., max_len=20)
-    with pytest.warns(UserWarning, match="dropped"):
+    with pytest.warns(UserWarning, match=r"dropped \d+ of 2000 pairs longer than max_len=20 tokens") as said:
+        short = ShardedCorpus(corpus.dir, max_len=20)              # as make_examples(..., max_len=20)
         kept = make_examples(corpus_files[2], corpus_files[1], 20)
+    assert len(said) == 2 and str(said[0].message) == str(said[1].message)   # the same words
     assert 0 < len(short) == len(kept) < N and [short[i] for i in range(len(short))] == kept
     assert short.src_lengths.tolist() == [len(s) for s, _ in kept]
     idx = rng.choice(len(short), 40, replace=False)
@@ -287,11 +288,17 @@ def _logging(corpus):
     return corpus
 
 
+def _open64(directory):
+    "The prepared slice opened for a model of max_len 64, which says how many pairs it leaves out."
+    with pytest.warns(UserWarning, match=r"dropped \d+ of 2000 pairs longer than max_len=64 tokens"):
+        return ShardedCorpus(directory, max_len=64)
+
+
 @pytest.fixture(scope="module")
 def long_corpus(prepared):
     "The prepared slice opened for a model of max_len 64, and make_examples' list of the same pairs."
     corpus, examples = prepared
-    return ShardedCorpus(corpus.dir, max_len=64), [e for e in examples if max(map(len, e)) <= 64]
+    return _open64(corpus.dir), [e for e in examples if max(map(len, e)) <= 64]
 
 
 @pytest.mark.slow
@@ -313,13 +320,13 @@ def test_resume_in_the_middle_of_an_epoch_continues_with_the_next_batch(long_cor
     from transformer.engine.loop import train
     corpus, _ = long_corpus
     config = _quick(batch_tokens=800, max_steps=8, eval_every=4)
-    whole = train(_tiny(), _logging(ShardedCorpus(corpus.dir, max_len=64)), None, config,
+    whole = train(_tiny(), _logging(_open64(corpus.dir)), None, config,
                   out_dir=tmp_path / "whole", progress=False)
     steps = corpus.epoch_batches(800, 0, 0)
     assert len(steps) > 8                                           # step 4 is mid-epoch
     train(_tiny(), corpus, None, _quick(batch_tokens=800, max_steps=4, eval_every=4),
           out_dir=tmp_path / "cut", progress=False)
-    resumed_corpus = _logging(ShardedCorpus(corpus.dir, max_len=64))
+    resumed_corpus = _logging(_open64(corpus.dir))
     resumed = train(_tiny(), resumed_corpus, None, config, out_dir=tmp_path / "cut", resume=True,
                     progress=False)
     assert resumed_corpus.read[0] == steps[4][0].tolist()           # the next batch, not the epoch's first

@@ -467,7 +467,7 @@ class ShardedCorpus(Pairs):
             keep = np.flatnonzero(np.maximum(self.src_lengths, self.tgt_lengths) <= max_len)
             if len(keep) < len(self):
                 warnings.warn(f"dropped {len(self) - len(keep)} of {len(self)} pairs longer "
-                              f"than {max_len} tokens", stacklevel=2)
+                              f"than max_len={max_len} tokens", stacklevel=2)
                 self.keep = keep
                 self.src_lengths, self.tgt_lengths = self.src_lengths[keep], self.tgt_lengths[keep]
 
