@@ -1,3 +1,3 @@
-"""The command line (appendix C) and the benchmark (appendix D): `python -m transformer train |
-translate | evaluate | export | attend | plot | bench | sweep`. Hand-written; the modules in it
-are generated from book/."""
+"""The command line (appendix C), the benchmark (appendix D) and `export --web` (appendix I):
+`python -m transformer train | translate | evaluate | export | attend | plot | bench | sweep`.
+Hand-written; the modules in it are generated from book/."""

@@ -170,8 +170,8 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
     batches) in one process: `repeats` rounds, each one training pass over the batches
     and one greedy decode per model, in alternating order (both re-run the decoder on
     the whole prefix; ours is also timed with chapter 9's key/value cache, which
-    `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision training
-    uses there, bf16 autocast on CUDA and on CPUs with bf16 matrix units
+    `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision that pays
+    there, bf16 autocast on CUDA and on CPUs with bf16 matrix units
     (`cpu_has_bf16_units`), float32 on other CPUs. `threads` sets
     `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
     batches per model come first, untimed, so that both are measured in their steady
@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both models for the training step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast (default: as training, on for CUDA and for CPUs "
-                        "with bf16 matrix units)")
+                   help="bf16 autocast (default: on for CUDA and for CPUs "
+                        "with bf16 matrix units, float32 on other CPUs)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--peak-tflops", type=float, default=None,

@@ -183,7 +183,7 @@ def _train_parser(sub) -> None:
                         "one static graph a bucket (default: one graph of dynamic shapes; "
                         "appendix E.2)")
     r.add_argument("--quiet", action="store_true", help="no progress bar")
-    m = t.add_argument_group("model: TransformerConfig, chapter 7 (default: the preset's)")
+    m = t.add_argument_group("model: TransformerConfig, chapter 7.1 (default: the preset's)")
     m.add_argument("--vocab-size", type=POSITIVE, metavar="N",
                    help=f"joint subword vocabulary: src_vocab, tgt_vocab (default: {VOCAB_SIZE})")
     _field_flags(m, _MODEL_FIELDS)
