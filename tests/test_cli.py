@@ -217,9 +217,10 @@ def test_resume_continues_and_refuses_changes(trained, sliced, tmp_path):
     shutil.copytree(trained[0], out)
     code, out_, err = run(*TRAIN, *sliced, "--out", out)
     assert_one_line_error(code, out_, err, 1, "already holds a run; add --resume")
+    config = (out / "config.json").read_bytes()
     code, out_, err = run(*TRAIN, *sliced, "--out", out, "--resume", "--warmup", 7, "--dropout", 0.2)
     assert_one_line_error(code, out_, err, 1, "--resume with a different config")
-    assert "warmup=7" in err and "dropout=0.2" in err
+    assert "warmup=7" in err and "dropout=0.2" in err and (out / "config.json").read_bytes() == config
     holder = _hold(out)                                             # a second process, while a run holds it
     try:
         code, stdout, err = run(*[a if a != 24 else 30 for a in TRAIN], *sliced, "--out", out, "--resume")
@@ -232,6 +233,7 @@ def test_resume_continues_and_refuses_changes(trained, sliced, tmp_path):
     assert code == 0, err
     assert "metrics.jsonl: dropped its last line, cut short" in err
     assert json.loads((out / "results.json").read_text())["steps"] == 30
+    assert json.loads((out / "config.json").read_text())["train"]["max_steps"] == 30   # as resumed
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records]
     assert steps == sorted(steps) and steps[-1] == 30

@@ -352,10 +352,10 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int, corpus: P
                     corpus_manifest_sha256=sha256_file(corpus / MANIFEST))
     run_config = {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
                   "preset": args.preset, "seed": train_config.seed}     # config.json
-    if args.resume:
+    if args.resume:   # what may change on resume (max_steps, ...) is recorded as it is now
         _check_same_run(json.loads((out / "config.json").read_text()), run_config,
                         out / "config.json")
-    elif rank == 0:
+    if rank == 0:
         write_json(out / "config.json", run_config)
     return tokenizer, model_config, train_config, examples
 
