@@ -26,7 +26,8 @@ def test_choose_precision_on_each_kind_of_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
     bf16 = choose_precision("cuda")
     assert bf16.dtype == torch.bfloat16 and bf16.scaler is None
-    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    # a T4 or a V100: bf16 only by emulation (the default including_emulation=True says yes)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: including_emulation)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*CUDA is not available")   # GradScaler, no GPU
         fp16 = choose_precision("cuda")

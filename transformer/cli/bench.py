@@ -171,14 +171,13 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
     and one greedy decode per model, in alternating order (both re-run the decoder on
     the whole prefix; ours is also timed with chapter 9's key/value cache, which
     `nn.Transformer` lacks, and reported apart). `bf16=None`: the precision that pays
-    there, bf16 autocast on CUDA and on CPUs with bf16 matrix units
-    (`cpu_has_bf16_units`), float32 on other CPUs. `threads` sets
-    `torch.set_num_threads` for the run (restored afterwards). `warmup` passes over the
-    batches per model come first, untimed, so that both are measured in their steady
-    state. `keep_memory`: on CPU, call appendix C's `keep_freed_memory` as `train` does
-    (process-wide: it stays on after the call); the oneDNN kernel cache is capped as in
-    `train` too (`cap_kernel_cache`). Returns a JSON-ready dict;
-    `speedup_vs_nn` is the median training ratio."""
+    there, bf16 autocast on CUDA GPUs with bf16 (Ampere on) and on CPUs with bf16 matrix
+    units (`cpu_has_bf16_units`), float32 elsewhere. `threads`: `torch.set_num_threads`
+    for the run (restored afterwards). `warmup` untimed passes over the batches per model
+    come first, so that both are measured in their steady state. `keep_memory`: on CPU,
+    call appendix C's `keep_freed_memory` as `train` does (process-wide: it stays on after
+    the call); the oneDNN kernel cache is capped as in `train` too (`cap_kernel_cache`).
+    Returns a JSON-ready dict; `speedup_vs_nn` is the median training ratio."""
     for name, value, least in (("repeats", repeats, 1), ("n_batches", n_batches, 1),
                                ("decode_sentences", decode_sentences, 1), ("warmup", warmup, 0)):
         if not is_int(value) or value < least:
@@ -193,9 +192,10 @@ def run_bench(preset: str = "small", device: str = "auto", repeats: int = 5, n_b
         started = time.perf_counter()
         dev = pick_device(device, compile)             # appendix F: auto, cuda, mps, cpu
         cuda, on_cpu = dev.type == "cuda", dev.type == "cpu"
-        # bf16 by default on CUDA and on CPUs with bf16 units; float32 on MPS
-        autocast = (cuda or (on_cpu and cpu_has_bf16_units())) if bf16 is None else bool(bf16)
-        # the standard GPU path: TF32 matmuls for what stays in float32, bf16 autocast for the rest
+        # bf16 where the hardware has it (CUDA from Ampere on, CPUs with bf16 units), else
+        # float32 (a T4's bf16 is emulated); TF32 matmuls on a GPU for what stays float32
+        autocast = ((torch.cuda.is_bf16_supported(including_emulation=False) if cuda else
+                     on_cpu and cpu_has_bf16_units()) if bf16 is None else bool(bf16))
         fast_kernels(dev)
         max_tokens = max_tokens or DEFAULT_MAX_TOKENS.get(preset, 6000)
         env = environment(dev)
@@ -347,8 +347,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both models for the training step")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=None,
-                   help="bf16 autocast (default: on for CUDA and for CPUs "
-                        "with bf16 matrix units, float32 on other CPUs)")
+                   help="bf16 autocast (default: on for CUDA GPUs from Ampere on and for CPUs "
+                        "with bf16 matrix units; float32 elsewhere)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--peak-tflops", type=float, default=None,

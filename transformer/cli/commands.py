@@ -246,7 +246,7 @@ _FIELD_HELP = {
     "eval_every": "validate and save every N steps",
     "log_every": "log the training loss every N steps",
     "seed": "seed of the initial weights, the batches' order and dropout",
-    "amp": "bf16 autocast on CUDA",
+    "amp": "mixed precision on CUDA: bf16 autocast (before Ampere float16, loss-scaled)",
     "cpu_bf16": "bf16 autocast on the CPU (fast with AMX or AVX512-BF16)",
     "compile": "torch.compile the model and the loss",
     "keep_checkpoints": "keep the last N weight snapshots; at the end average the last N, N/2, "

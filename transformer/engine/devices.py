@@ -103,7 +103,7 @@ def choose_precision(device: torch.device, amp: bool = True,
     otherwise."""
     device = torch.device(device)
     if device.type == "cuda" and amp:
-        if torch.cuda.is_bf16_supported():
+        if torch.cuda.is_bf16_supported(including_emulation=False):   # a T4's is emulated
             return Precision("cuda", torch.bfloat16)
         return Precision("cuda", torch.float16, torch.amp.GradScaler("cuda"))
     if device.type == "cpu" and cpu_bf16:
