@@ -250,3 +250,11 @@ def test_tokenizer_train_says_which_vocab_size_the_texts_allow(vocab, match):
     from transformer.tokens import Tokenizer
     with pytest.raises(DataError, match=f"could not train a bpe model with vocab_size={vocab} on 100 texts: {match}"):
         Tokenizer.train(["Ein Hund läuft."] * 100, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("seed", ["x", -1, 2**70, 1.5, True])
+def test_train_config_refuses_a_seed_torch_cannot_take(seed):
+    "Old: TrainConfig(seed='x') was accepted and train failed later on (TypeError; 2**70: OverflowError's ValueError)."
+    from transformer import TrainConfig
+    with pytest.raises(ValueError, match=r"^seed=.* must be an int in \[0, 2\*\*63\)$"):
+        TrainConfig(seed=seed)

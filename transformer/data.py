@@ -725,6 +725,7 @@ def check_train_config(c) -> None:
     rules |= {name: (lambda v: v > 0, "> 0") for name in ("lr_scale", "adam_eps")}
     rules |= {
         "keep_checkpoints": (whole(0), "an int >= 0 (0: keep none)"),
+        "seed": (lambda v: whole(0)(v) and v < 2**63, "an int in [0, 2**63)"),   # torch's range
         "snapshot_every": (lambda v: v is None or whole(1)(v), "an int >= 1 or None (= eval_every)"),
         "clip_norm": (lambda v: v is None or v > 0, "> 0 or None"),
         "max_minutes": (lambda v: v is None or v > 0, "> 0 or None")}
