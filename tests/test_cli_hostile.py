@@ -341,3 +341,96 @@ def test_train_hands_buckets_to_the_loop(multi30k_slice, tmp_path, monkeypatch):
     got, stdout, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--compile", "--buckets", 4,
                            "--out", tmp_path / "run")
     assert got == 130 and seen == {"compile": True, "buckets": 4}, err
+
+
+# ---- 6. round four: a vocabulary the text cannot give, --threads past what starts, a damaged config.json ----------
+
+@pytest.mark.parametrize("vocab, match", [(50, "their characters and the 4 special pieces need "),
+                                          (90_000, "they yield at most ")], ids=["too small", "too large"])
+def test_train_says_which_vocab_size_the_text_allows(multi30k_slice, tmp_path, vocab, match):
+    "Old: --vocab-size 100 or 300000 on Multi30k was sentencepiece's INTERNAL error, exit 70 (a bug)."
+    code, out, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--vocab-size", vocab,
+                         "--out", tmp_path / "run")
+    assert_one_line_error(code, out, err, 1, f"sentencepiece could not train a bpe model with vocab_size={vocab} on ")
+    assert match in err and "; pass a vocab_size (--vocab-size) of at " in err and "INTERNAL" not in err, err
+
+
+@pytest.mark.parametrize("argv", [["translate", "--model", MODEL, "x"], ["evaluate", "--model", MODEL], ["train"]],
+                         ids=["translate", "evaluate", "train"])
+def test_threads_past_what_can_start_are_refused(argv):
+    "Old: --threads 100000 killed the process with a segfault (exit 139, no message): libgomp could not start them."
+    code, out, err = run(*argv, "--threads", 100_000)
+    assert_one_line_error(code, out, err, 2, "argument --threads: 100000 must be in [1, 1024]")
+
+
+def test_bench_and_sweep_refuse_threads_past_what_can_start(tmp_path, capsys):
+    from transformer.cli.bench import main as bench
+    with pytest.raises(SystemExit) as exit_:
+        bench(["--threads", "5000", "--preset", "tiny", "--repeats", "1", "--batches", "1", "--warmup", "0",
+               "--decode-sentences", "1"])      # were the check gone: a short benchmark
+    assert exit_.value.code == 2 and "error: --threads=5000 must be <= 1024" in capsys.readouterr().err
+    code, out, err = sweep(write_variants(tmp_path / "v.json", [entry()]), "--out", tmp_path / "runs", "--threads",
+                           5000, "--list")
+    assert code == 2 and err == "error: --threads 5000: at most 1024\n", err
+
+
+def test_prepare_says_what_a_file_that_is_not_text_is(tmp_path):
+    "Old: prepare --src-files /dev/zero (or a named pipe) said 'no such file; check the path'."
+    (tmp_path / "t.en").write_text("A dog.\n")
+    code, out, err = run("prepare", "--src-files", "/dev/zero", "--tgt-files", tmp_path / "t.en", "--out",
+                         tmp_path / "corpus", "--quiet")
+    assert_one_line_error(code, out, err, 1, "/dev/zero: a pipe or a device, not a regular file; pass a text file")
+
+
+def _model_with_data(tmp_path, data) -> Path:
+    "A copy of the shipped model whose config.json's \"data\" is `data`."
+    import shutil
+    model = Path(shutil.copytree(MODEL, tmp_path / "model", ignore=shutil.ignore_patterns("web")))
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "data": data}))
+    return model
+
+
+@pytest.mark.parametrize("data", [None, {"src": "xx", "tgt": "en"}, {"src": "de", "tgt": "de"}, {"src": 5}, "de"],
+                         ids=["null", "unknown language", "same language", "a number", "a string"])
+def test_evaluate_names_languages_config_json_does_not_say(tmp_path, data):
+    "Old: \"data\": null, or a language that is not Multi30k's, in config.json was a TypeError or ValueError, exit 70."
+    model = _model_with_data(tmp_path, data)
+    code, out, err = run("evaluate", "--model", model, "--beam", 1, "--limit", 1)
+    assert_one_line_error(code, out, err, 1, f"{model}/config.json does not say the languages (src ")
+    assert ": two of de, en, fr); use --src-file/--ref-file" in err
+
+
+@pytest.fixture(scope="module")
+def short_run(multi30k_slice, tmp_path_factory):
+    "A run of three steps on the slice of Multi30k, to resume."
+    out = tmp_path_factory.mktemp("short") / "run"
+    with kept_state():
+        code, stdout, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--out", out)
+    assert code == 0, err
+    return out
+
+
+DAMAGED_CONFIGS = [  # (what, config.json as a function of the run's, part of the message)
+    ("not JSON", lambda run: '{"model": ', "Expecting value"),
+    ("a list", lambda run: "[]", "'list' object has no attribute 'get'"),
+    ("data null", lambda run: json.dumps({**run, "data": None}), "'NoneType' object is not iterable"),
+    ("train null", lambda run: json.dumps({**run, "train": None}), "'NoneType' object is not a mapping"),
+    ("a field out of range", lambda run: json.dumps({**run, "model": {**run["model"], "d_model": "x"}}),
+     "d_model='x' must be a positive int"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("what, damage, match", DAMAGED_CONFIGS, ids=[d[0] for d in DAMAGED_CONFIGS])
+def test_resume_with_a_damaged_config_json_is_one_line(short_run, multi30k_slice, tmp_path, what, damage, match):
+    "Old: train --resume on a run whose config.json was not JSON, or had a part that is not an object: exit 70."
+    import shutil
+    out = Path(shutil.copytree(short_run, tmp_path / "run"))
+    config = out / "config.json"
+    config.write_text(damage(json.loads(config.read_text())))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    code, stdout, err = run(*SHORT, "--data", multi30k_slice, "--unverified-data", "--out", out, "--resume")
+    assert_one_line_error(code, stdout, err, 1, f"--resume: {config} is damaged (")
+    assert match in err and "put back the run's own, or train into a new --out" in err, err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before

@@ -226,3 +226,35 @@ def test_evaluate_reads_lone_cr_line_endings(multi30k, tmp_path):
     code, out, err = run("evaluate", "--model", MODEL, "--src-file", src, "--ref-file", ref, "--beam", 1, "--json")
     assert code == 0 and err == "", err
     assert json.loads(out)["sentences"] == 3
+
+
+def test_read_parallel_says_what_a_path_that_is_not_a_file_is(tmp_path):
+    "Old: a named pipe or /dev/zero was 'no such file; check the path', though the path was there."
+    from transformer.data import DataError, read_parallel
+    (tmp_path / "b.en").write_text("A dog.\n")
+    os.mkfifo(tmp_path / "a.de")
+    for path in (tmp_path / "a.de", Path("/dev/zero")):
+        with pytest.raises(DataError, match=f"^{path}: a pipe or a device, not a regular file; pass a text file"):
+            read_parallel(path, tmp_path / "b.en")
+    with pytest.raises(DataError, match="no such file; check the path"):
+        read_parallel(tmp_path / "c.de", tmp_path / "b.en")
+
+
+@pytest.mark.parametrize("vocab, match", [(10, "their characters and the 4 special pieces need 16; pass a vocab_size "
+                                               r"\(--vocab-size\) of at least 16"),
+                                          (500, r"they yield at most \d+ pieces; pass a vocab_size \(--vocab-size\) "
+                                                r"of at most \d+, or more text")], ids=["too small", "too large"])
+def test_tokenizer_train_says_which_vocab_size_the_texts_allow(vocab, match):
+    "Old: sentencepiece's INTERNAL message, a line of C++ source, as a plain ValueError (a bug, to the command line)."
+    from transformer.data import DataError
+    from transformer.tokens import Tokenizer
+    with pytest.raises(DataError, match=f"could not train a bpe model with vocab_size={vocab} on 100 texts: {match}"):
+        Tokenizer.train(["Ein Hund läuft."] * 100, vocab_size=vocab)
+
+
+@pytest.mark.parametrize("seed", ["x", -1, 2**70, 1.5, True])
+def test_train_config_refuses_a_seed_torch_cannot_take(seed):
+    "Old: TrainConfig(seed='x') was accepted and train failed later on (TypeError; 2**70: OverflowError's ValueError)."
+    from transformer import TrainConfig
+    with pytest.raises(ValueError, match=r"^seed=.* must be an int in \[0, 2\*\*63\)$"):
+        TrainConfig(seed=seed)

@@ -8,6 +8,7 @@ import hashlib
 import io
 import operator
 import os
+import re
 import tempfile
 import urllib.error
 import urllib.request
@@ -49,7 +50,7 @@ class DataError(UserError, ValueError):
     "A corpus file is missing, corrupt, misaligned, not UTF-8, or empty."
 
 # %% auto #0
-__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'is_number', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
+__all__ = ['LANGS', 'SPLITS', 'BASE_URL', 'SHA256', 'MAX_TEXT_BYTES', 'SPECIAL_PIECES', 'MODEL_TYPES', 'ARCH_CONFIGS', 'UserError', 'DataError', 'cache_dir', 'multi30k_dir', 'sha256_file', 'download_multi30k', 'not_a_file', 'read_parallel', 'load_multi30k', 'check_texts', 'train_sentencepiece', 'check_token_id', 'CheckedProcessor', 'SentencePieceModel', 'is_int', 'is_number', 'check_id_batch', 'check_embedding', 'check_id_tensor', 'batch_costs', 'id_rows', 'check_config', 'check_preset', 'config_from_dict', 'check_inputs', 'check_hyps_refs', 'check_train_config']
 
 # %% ../book/a_data.ipynb #a0e26910
 def cache_dir() -> Path:
@@ -195,12 +196,19 @@ def _gunzip(path: Path, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def not_a_file(path: Path) -> DataError:
+    "The `DataError` for a path that is no regular file: missing, a directory, a pipe, a device."
+    return DataError(f"{path}: " + (
+        "a directory, not a file; name a file in it" if path.is_dir() else
+        "no such file; check the path" if not path.exists() else
+        "a pipe or a device, not a regular file; pass a text file, one sentence a line"))
+
+
 def _read_lines(path: Path) -> list[str]:
     ("The lines of a gzipped or plain UTF-8 text file, stripped; `DataError` on "
      "anything else.")
     if not path.is_file():
-        raise DataError(f"{path}: " + ("a directory, not a file; name a file in it"
-                                       if path.is_dir() else "no such file; check the path"))
+        raise not_a_file(path)
     limit = _max_text_bytes()
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"  # gzip's magic number
@@ -372,9 +380,17 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int = 8000,
             pad_id=0, unk_id=1, bos_id=2, eos_id=3,
             pad_piece=pad, unk_piece=unk, bos_piece=bos, eos_piece=eos, minloglevel=2)
     except RuntimeError as e:
-        raise ValueError(f"sentencepiece could not train a {model_type} model with "
-                         f"vocab_size={vocab_size} on {len(texts)} texts: "
-                         f"{e}") from e
+        what = (f"sentencepiece could not train a {model_type} model with "
+                f"vocab_size={vocab_size} on {len(texts):,} texts: ")
+        # the two limits of a vocabulary: the texts' characters, and the pieces they yield
+        if least := re.search(r"smaller than required_chars\. \d+ vs (\d+)", str(e)):
+            raise DataError(f"{what}their characters and the {len(SPECIAL_PIECES)} special "
+                            f"pieces need {least[1]}; pass a vocab_size (--vocab-size) of "
+                            f"at least {least[1]}") from None
+        if most := re.search(r"set it to a value <= (\d+)", str(e)):
+            raise DataError(f"{what}they yield at most {most[1]} pieces; pass a vocab_size "
+                            f"(--vocab-size) of at most {most[1]}, or more text") from None
+        raise ValueError(f"{what}{e}") from e
     return model.getvalue()
 
 
@@ -709,6 +725,7 @@ def check_train_config(c) -> None:
     rules |= {name: (lambda v: v > 0, "> 0") for name in ("lr_scale", "adam_eps")}
     rules |= {
         "keep_checkpoints": (whole(0), "an int >= 0 (0: keep none)"),
+        "seed": (lambda v: whole(0)(v) and v < 2**63, "an int in [0, 2**63)"),   # torch's range
         "snapshot_every": (lambda v: v is None or whole(1)(v), "an int >= 1 or None (= eval_every)"),
         "clip_norm": (lambda v: v is None or v > 0, "> 0 or None"),
         "max_minutes": (lambda v: v is None or v > 0, "> 0 or None")}

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .commands import cap_kernel_cache, keep_freed_memory
+from .commands import MAX_THREADS, cap_kernel_cache, keep_freed_memory
 from transformer.cli.measure import (
     DEFAULT_MAX_TOKENS,
     TorchTransformer,
@@ -98,9 +98,8 @@ class _Bench:
                 out = greedy_search(model, src, extra_len=DECODE_EXTRA, cache=cache)
             key = name + (" cached" if cache else "")
             self.generated[key] = self.generated.get(key, 0) + sum(len(ids) for ids in out)
-        # An untrained model may say EOS at once and time nothing: forbid EOS, so
-        # every sentence runs to its length limit (source length + DECODE_EXTRA),
-        # the same work in both models and in every round.
+        # An untrained model may say EOS at once and time nothing: forbid EOS, so every sentence runs
+        # to its length limit (source length + DECODE_EXTRA): the same work in both models, each round.
         eos_logit = model.generator.bias[EOS].item()
         with torch.no_grad():
             model.generator.bias[EOS] = -1e4
@@ -282,8 +281,7 @@ def format_table(result: dict) -> str:
         + (", TF32" if result["tf32"] else ""),
         f"{len(d['batch_shapes'])} Multi30k batches of <= {d['max_tokens']} slots, "
         f"{d['target_tokens']} target tokens; {result['repeats']} alternating repeats, medians",
-        "",
-        f"{'':26}{'ours':>12}{'nn.Transformer':>16}{'ours / nn':>11}",
+        "", f"{'':26}{'ours':>12}{'nn.Transformer':>16}{'ours / nn':>11}",
         row("train target tokens/s", med(tr["ours_tokens_per_s"]), med(tr["nn_tokens_per_s"]),
             tr["median_ratio"], ".0f"),
         row("greedy decode sentences/s", med(de["ours_sentences_per_s"]),
@@ -366,6 +364,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m transformer bench
         value = getattr(args, name)
         if value is not None and value < least:   # None: the preset's, torch's
             p.error(f"--{name.replace('_', '-')}={value} must be >= {least}")
+    if (args.threads or 0) > MAX_THREADS:   # as train's --threads (appendix C)
+        p.error(f"--threads={args.threads} must be <= {MAX_THREADS}")
     if args.peak_tflops is not None and not args.peak_tflops > 0:
         p.error(f"--peak-tflops={args.peak_tflops} must be > 0")
     try:

@@ -30,10 +30,10 @@ from ..engine.trained import BATCH_TOKENS
 from ..model import POSITIONS, PRESETS, TransformerConfig
 
 # %% auto #0
-__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'INT_MAX', 'MAX_BEAM', 'MAX_ALPHA', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS', 'CONFIG_FLAGS',
-           'RUN_FILES', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'CLIError', 'as_typed', 'build_parser',
-           'describe_device', 'load_pairs', 'Terminated', 'sigterm_as_interrupt', 'run_files', 'keep_freed_memory',
-           'cap_kernel_cache', 'provenance', 'report', 'run_command']
+__all__ = ['VOCAB_SIZE', 'TRAIN_ALPHAS', 'INT_MAX', 'MAX_BEAM', 'MAX_ALPHA', 'MAX_THREADS', 'BEAM', 'ALPHA', 'POSITIVE', 'ARCHS',
+           'CONFIG_FLAGS', 'RUN_FILES', 'M_TRIM_THRESHOLD', 'M_MMAP_MAX', 'ONEDNN_CACHE', 'CLIError', 'as_typed',
+           'build_parser', 'describe_device', 'load_pairs', 'Terminated', 'sigterm_as_interrupt', 'run_files',
+           'keep_freed_memory', 'cap_kernel_cache', 'provenance', 'report', 'run_command']
 
 # %% ../../book/c_commands.ipynb #c005
 # joint subword vocabulary of a new run (Multi30k: ~10k German + ~6k English words)
@@ -98,11 +98,11 @@ def _number(kind, low: float = 0.0, high: float | None = None, low_ok: bool = Fa
 
 # Limits on what one decoding may allocate: the beams of every sentence are decoded at once
 # (--beam 8000 took 5 GB), and the length penalty ((5 + |Y|) / 6) ** alpha overflows a float
-# near alpha = 5,000. The paper decodes with 4 beams and alpha 0.6.
-MAX_BEAM, MAX_ALPHA = 64, 10.0
-BEAM = _number(int, 1, MAX_BEAM, low_ok=True, high_ok=True)
+# near alpha = 5,000 (paper: 4 beams, alpha 0.6); --threads 16384 crashed libgomp (a segfault).
+MAX_BEAM, MAX_ALPHA, MAX_THREADS = 64, 10.0, 1024
+BEAM, _THREADS = (_number(int, 1, n, low_ok=True, high_ok=True) for n in (MAX_BEAM, MAX_THREADS))
 ALPHA = _number(float, 0, MAX_ALPHA, low_ok=True, high_ok=True)
-POSITIVE = _number(int)   # a count: --threads, --limit, --layer ...
+POSITIVE = _number(int)   # a count: --limit, --layer ...
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,8 +176,8 @@ def _train_parser(sub) -> None:
                         "it is locked while the run goes on")
     r.add_argument("--device", choices=DEVICES, default="auto")
     r.add_argument("--resume", action="store_true", help="continue the run in --out from last.pt")
-    r.add_argument("--threads", type=POSITIVE, metavar="N",
-                   help="CPU threads per process (default: torch's)")
+    r.add_argument("--threads", type=_THREADS, metavar="N",
+                   help=f"CPU threads per process (default: torch's; at most {MAX_THREADS})")
     r.add_argument("--buckets", type=POSITIVE, metavar="M",
                    help="with --compile: pad each batch to a bucket of lengths a multiple of M, "
                         "one static graph a bucket (default: one graph of dynamic shapes; "
@@ -290,7 +290,7 @@ def _inference_parsers(sub) -> None:
         _model_flags(c)
         _decoding_flags(c)
         c.add_argument("--device", choices=DEVICES, default="auto")
-        c.add_argument("--threads", type=POSITIVE, metavar="N")
+        c.add_argument("--threads", type=_THREADS, metavar="N")
         c.add_argument("--batch-tokens", type=POSITIVE, default=BATCH_TOKENS,
                        metavar="N", help="positions one batch decodes at once: beams x "
                        "(source + output length), summed (default: %(default)s); "
@@ -305,8 +305,7 @@ def _inference_parsers(sub) -> None:
                            help="Multi30k split (default: test_2016_flickr)")
             c.add_argument("--src-file", metavar="F",
                            help="source sentences, one per line (with --ref-file)")
-            c.add_argument("--ref-file", metavar="F",
-                           help="reference translations, one per line")
+            c.add_argument("--ref-file", metavar="F", help="reference translations, one per line")
             c.add_argument("--data", metavar="DIR")
             c.add_argument("--no-download", action="store_true")
             _unverified_flag(c)
@@ -343,8 +342,7 @@ def _add_figure_commands(sub) -> None:
                                    "(their metrics.jsonl), overlaid: training and validation "
                                    "loss, validation BLEU by step and by wall-clock time, the "
                                    "learning rate (appendix B.1).")
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR",
-                   help="run directories written by train")
+    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories written by train")
     p.add_argument("--out", metavar="FILE", default="curves.png",
                    help="the image; its extension names the format: .png, .svg or "
                         ".pdf (default: curves.png)")
@@ -371,8 +369,7 @@ def _add_figure_commands(sub) -> None:
 # %% ../../book/c_commands.ipynb #c007
 def describe_device(device: torch.device) -> str:
     ("The device in words, for the log and results.json: the GPU's name, or the CPU's "
-     "cores, threads and architecture. (`--device` itself is read by appendix F's "
-     "`pick_device`.)")
+     "cores, threads and architecture. (`--device` itself is read by appendix F's `pick_device`.)")
     if device.type == "cuda":
         return f"cuda ({torch.cuda.get_device_name(device)})"
     if device.type == "mps":

@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from .commands import run_files, sigterm_as_interrupt
+from .commands import MAX_THREADS, run_files, sigterm_as_interrupt
 from ..engine.checkpoints import RunDirectoryError, run_lock, write_json
 from ..engine.trained import SweepError, Variant, read_variants, run_state
 
@@ -98,8 +98,7 @@ class _Job:
 
 # %% ../../book/c_3_sweep.ipynb #s010
 def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: int = 1,
-              extra: list[str] = (), retry_failed: bool = False,
-              say=print) -> dict[str, str]:
+              extra: list[str] = (), retry_failed: bool = False, say=print) -> dict[str, str]:
     """Run every variant not yet done (nor failed, unless `retry_failed`), `jobs` at a
     time; returns {name: "done" | "skipped" | "failed" | "busy" | "stopped"} ("busy": its
     directory is held by a live process, which the sweep leaves alone). Ctrl-C or SIGTERM
@@ -242,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         base, variants = read_variants(args.variants)
         if args.jobs < 1 or (args.threads is not None and args.threads < 1):
             raise SweepError("--jobs and --threads must be >= 1")
+        if (args.threads or 0) > MAX_THREADS:   # as train's --threads (appendix C)
+            raise SweepError(f"--threads {args.threads}: at most {MAX_THREADS}")
         if args.only:
             missing = sorted(set(args.only) - {v.name for v in variants})
             if missing:

@@ -94,22 +94,27 @@ def _held_out(args, corpus: Path | None) -> tuple[list, list | None, str]:
     return val, test, "val" if test is None else "test"
 
 
-def _check_same_run(saved: dict, now: dict, path: Path) -> None:
+def _check_same_run(path: Path, now: dict) -> None:
     diffs = []
-    if "model" in saved:  # a run from before a field existed has its default
-        _arch(saved["model"].get("arch"))
-        saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
-    if "train" in saved:   # the seed also stands on its own in config.json: one comparison
-        saved = {**saved, "train": {**asdict(RunConfig()), "seed": saved.get("seed", 0),
-                                    **saved["train"]}}
-    was = saved.get("data", {})
+    try:   # a file that is not JSON, parts that are not objects, fields no config takes
+        saved = json.loads(path.read_text())
+        if "model" in saved:  # a run from before a field existed has its default
+            _arch(saved["model"].get("arch"))
+            saved = {**saved, "model": TransformerConfig.from_dict(saved["model"]).to_dict()}
+        if "train" in saved:   # the seed also stands on its own in config.json: one comparison
+            saved = {**saved, "train": {**asdict(RunConfig()), "seed": saved.get("seed", 0),
+                                        **saved["train"]}}
+        saved = {part: dict(saved.get(part, {})) for part in ("model", "data", "train")}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CLIError(f"--resume: {path} is damaged ({e}); put back the run's own, or train "
+                       "into a new --out") from None
+    was = saved["data"]
     if "corpus_manifest_sha256" in was and "corpus_manifest_sha256" not in now["data"]:
         corpus = was.get("corpus", f"of {was.get('corpus_pairs')} pairs")
         raise CLIError(f"--resume without --data: the run trained on the prepared corpus "
                        f"{corpus}; resume with --data {corpus}")
     for part in ("model", "data", "train"):
-        # the data: every key the run recorded too (where it came from); not the corpus's
-        # path, which may move
+        # the data: every key the run recorded too (where it came from); not the corpus's path (it may move)
         keys = now[part].keys() | (was.keys() - {"corpus"} if part == "data" else set())
         for key in sorted(keys - set(RunConfig.RESUMABLE if part == "train" else ())):
             value, had = now[part].get(key), saved.get(part, {}).get(key)
@@ -353,8 +358,7 @@ def _prepare(out: Path, args, train_pairs, rank: int, world_size: int, corpus: P
     run_config = {"model": model_config.to_dict(), "train": asdict(train_config), "data": data,
                   "preset": args.preset, "seed": train_config.seed}     # config.json
     if args.resume:   # what may change on resume (max_steps, ...) is recorded as it is now
-        _check_same_run(json.loads((out / "config.json").read_text()), run_config,
-                        out / "config.json")
+        _check_same_run(out / "config.json", run_config)
     if rank == 0:
         write_json(out / "config.json", run_config)
     return tokenizer, model_config, train_config, examples

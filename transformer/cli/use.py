@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from . import web  # appendix I: export --web
 from .commands import CLIError, load_pairs, sigterm_as_interrupt
+from ..data import LANGS
 from ..engine.devices import pick_device
 from ..engine.fast import translate
 from ..engine.trained import WEIGHTS, load, translate_chunks
@@ -235,13 +236,14 @@ def cmd_evaluate(args) -> int:
         pairs = ((s, r) for s, r in _file_pairs(args) if s and r)
     model, tokenizer, config = _setup_inference(args)
     if not args.src_file:
-        data = config.get("data", {})
-        if "src" not in data or "tgt" not in data:
-            raise CLIError(f"{args.model}/config.json does not say the languages; use "
-                           "--src-file/--ref-file")
+        data = config.get("data") if isinstance(config.get("data"), dict) else {}
+        src, tgt = data.get("src"), data.get("tgt")
+        if src not in LANGS or tgt not in LANGS or src == tgt:   # absent, or edited
+            raise CLIError(f"{args.model}/config.json does not say the languages (src {src!r}, "
+                           f"tgt {tgt!r}: two of {', '.join(LANGS)}); use --src-file/--ref-file")
         split = args.split or "test_2016_flickr"
-        pairs = load_pairs(args, split, data["src"], data["tgt"])
-        total, where = len(pairs), f"{split} ({data['src']}->{data['tgt']})"
+        pairs = load_pairs(args, split, src, tgt)
+        total, where = len(pairs), f"{split} ({src}->{tgt})"
     total = min(total, args.limit or total)
     refs, scores = deque(), _Scores()
 
@@ -373,8 +375,7 @@ def cmd_attend(args) -> int:
                        f"{heads} heads) of {len(rows)} x {len(cols)} pieces would be "
                        f"{width:,} x {height:,} pixels, more than attend draws "
                        f"({plots.MAX_PIXELS:,} pixels, {plots.MAX_SIDE:,} a side); "
-                       "draw fewer panels with --layer and/or --head, or pass a "
-                       "shorter sentence")
+                       "draw fewer panels with --layer and/or --head, or pass a shorter sentence")
     _save(plots.attention_maps(weights, args.kind, args.layer, args.head), out)
     print(f"wrote {out}: {plots.KINDS[args.kind]} of {weights.sentence!r} -> "
           f"{weights.translation!r}")

@@ -27,7 +27,7 @@ try:
 except ImportError:                 # Windows: directories are not locked there
     fcntl = None
 
-from ..data import DataError, UserError, is_int, sha256_file
+from ..data import DataError, UserError, is_int, not_a_file, sha256_file
 from ..tokens import PAD, Tokenizer
 
 CORPUS_FORMAT = 1                 # the layout below; a reader refuses any other
@@ -48,8 +48,7 @@ def _reading(path: Path):
     """`path` open for reading bytes, plain or gzipped, after appendix A's checks (a file;
     gzip's magic number); a damaged gzip stream is a `DataError`."""
     if not path.is_file():
-        raise DataError(f"{path}: " + ("a directory, not a file; name a file in it"
-                                       if path.is_dir() else "no such file; check the path"))
+        raise not_a_file(path)
     with open(path, "rb") as f:
         gzipped = f.read(2) == b"\x1f\x8b"
     if path.suffix == ".gz" and not gzipped:
@@ -252,8 +251,7 @@ def _check_foreign(out: Path) -> None:
 
 
 def prepare(src_files, tgt_files, out_dir: str | os.PathLike, vocab_size: int = 8000, *,
-            val_files=None, test_files=None,
-            tokenizer: Tokenizer | str | os.PathLike | None = None,
+            val_files=None, test_files=None, tokenizer: Tokenizer | str | os.PathLike | None = None,
             sample_sentences: int = 1_000_000, shard_pairs: int = 1_000_000,
             chunk_pairs: int = 20_000, seed: int = 0, quiet: bool = False) -> Path:
     """Tokenize a parallel corpus once into `out_dir`: memory-mapped shards of token ids, an index
@@ -413,8 +411,7 @@ class ShardedCorpus(Pairs):
     works on it as on `make_examples`' list; `corpus.collate(indices)` gives the same tensors
     faster, and the training loop (appendix E.2) uses it and `epoch_batches`."""
 
-    def __init__(self, out_dir: str | os.PathLike, verify: bool = True,
-                 max_len: int | None = None):
+    def __init__(self, out_dir: str | os.PathLike, verify: bool = True, max_len: int | None = None):
         self.dir = Path(out_dir)
         path = self.dir / MANIFEST
         if not path.is_file():
