@@ -13,6 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 from test_cli import assert_one_line_error, run
 
 import transformer.cli.use as cli_use
@@ -104,6 +105,22 @@ def test_trained_model_translate_names_a_bad_item(shipped):
                        ({"Hallo.": 1}, "not a dict")):
         with pytest.raises(TypeError, match=match):
             shipped.translate(bad, beam_size=1)
+
+
+@pytest.mark.parametrize("alpha", ["a", float("inf"), float("nan"), -1])
+def test_trained_model_translate_refuses_a_length_penalty_that_is_no_finite_number(shipped, alpha):
+    "Old: 'a' raised a raw TypeError inside the search, and inf and nan decoded with scores that compare as nothing."
+    with pytest.raises(ValueError, match=r"alpha=.* must be a finite number >= 0 \(the paper's: 0.6\)"):
+        shipped.translate("Ein Hund läuft.", alpha=alpha)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where there is none")
+def test_load_on_a_device_that_is_not_here_is_one_line():
+    "Old: load(device='cuda') on a CPU-only torch raised torch's AssertionError; now appendix F's DeviceError."
+    from transformer.engine.devices import DeviceError
+    with pytest.raises(DeviceError, match="no CUDA device is available here"):
+        load(MODEL, device="cuda")
+    assert load(MODEL, device="auto").model.generator.weight.device.type in ("cpu", "mps")
 
 
 def test_one_name_for_the_beam_in_the_python_api():

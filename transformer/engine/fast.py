@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..attention import scaled_dot_product_attention
 from ..blocks import DecoderLayer, EncoderLayer, residual
-from ..data import is_int
+from ..data import is_int, is_number
 from ..decoding import PrefixDecoder, length_penalty, output_limits, until_eos
 from ..evaluation import score
 from ..heads import MultiHeadAttention, merge_heads, split_heads
@@ -375,8 +375,8 @@ def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: floa
      "penalty `alpha` (default 0.6).")
     if not is_int(beam_size) or beam_size < 1:
         raise ValueError(f"beam_size={beam_size!r} must be an int >= 1")
-    if not alpha >= 0:
-        raise ValueError(f"alpha={alpha!r} must be >= 0")
+    if not (is_number(alpha) and 0 <= alpha < math.inf):
+        raise ValueError(f"alpha={alpha!r} must be a finite number >= 0 (the paper's: 0.6)")
     limits = _limits(model, src, extra_len)
     K, B, device, pad = beam_size, src.size(0), src.device, model.config.pad_id
     # encoder once, K rows per sentence

@@ -17,7 +17,7 @@ from safetensors.torch import safe_open
 from safetensors.torch import save as safetensors_bytes
 from tqdm import tqdm
 
-from ..data import UserError, is_int, sha256_file
+from ..data import UserError, is_int, is_number, sha256_file
 from transformer.engine.checkpoints import (
     CHECKPOINT_FORMAT,
     CheckpointError,
@@ -27,7 +27,7 @@ from transformer.engine.checkpoints import (
     read_metrics,
     write_json,
 )
-from .devices import fast_kernels  # appendix F
+from .devices import DEVICES, fast_kernels, pick_device  # appendix F
 from .fast import translate
 from ..model import Transformer
 from ..tokens import Tokenizer
@@ -69,8 +69,7 @@ def run_alpha(run_dir: str | os.PathLike) -> float:
     results = _results(Path(run_dir))
     source = results.get("source_results")
     alpha = results.get("alpha", source.get("alpha") if isinstance(source, dict) else None)
-    ok = isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and 0 <= alpha <= 10
-    return float(alpha) if ok else 0.6
+    return float(alpha) if is_number(alpha) and 0 <= alpha <= 10 else 0.6
 
 
 def exported_sha256(run_dir: str | os.PathLike) -> str | None:
@@ -297,11 +296,11 @@ class TrainedModel:
 def load(path: str | os.PathLike, which: str = "chosen",
          device: str | torch.device = "cpu") -> TrainedModel:
     """The trained model of a run directory written by `train`, or of a model directory written by
-    `export` (the book ships one, `book/model`), on `device`. `which`: chosen (the checkpoint train
-    chose on val; best.pt when it chose none, or when the file it chose is gone), best, last or
+    `export` (the book ships one, `book/model`), on `device` (a torch device, or auto, cpu, cuda or
+    mps as `pick_device` reads them; on a GPU it sets `fast_kernels`). `which`: chosen (the
+    checkpoint train chose on val; best.pt when it chose none, or its file is gone), best, last or
     averaged. Refused with a one-line `CheckpointError` naming the file: a missing file, a tokenizer
-    of another run, an exported model's weights whose sha256 is not the recorded one, tensors that
-    are not the model's. On a GPU it sets appendix F's `fast_kernels` (for the whole process)."""
+    of another run, exported weights whose sha256 is not the recorded one, tensors not the model's."""
     run_dir = Path(path)
     if which not in ("chosen", *CHECKPOINTS):
         raise CheckpointError(f"which={which!r}: choose chosen, {', '.join(CHECKPOINTS)}")
@@ -347,6 +346,7 @@ def load(path: str | os.PathLike, which: str = "chosen",
             "export it again, or restore it (git checkout, for the book's model)")
     state = _read_weights(ckpt) if shipped else load_checkpoint(ckpt)
     check_tokenizer(state, ckpt, tok_path)
+    device = pick_device(device) if device in DEVICES else device   # "cuda" on a CPU: one line
     model = model_from_checkpoint(state, device, name=str(ckpt))
     fast_kernels(model.generator.weight.device)   # on a GPU: TF32, no cuDNN attention (appendix F)
     tokenizer = Tokenizer.load(tok_path)
