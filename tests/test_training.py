@@ -968,6 +968,16 @@ def test_train_checks_token_ids_once_at_the_data_boundary():
     check_examples(copy_examples(50), tiny_config(), "fine")           # in range: no error
 
 
+@pytest.mark.parametrize("bad, match", [
+    ((torch.tensor([5, 6, 3]), torch.tensor([2, 7, 8, 3])), r"the source is tensor\(\[5, 6, 3\]\), not a list of int ids"),
+    (("ab", "cd"), r"the source is 'ab', not a list of int ids"),
+    (([5, 3], [BOS, 5.0, EOS]), r"the target is \[2, 5.0, 3\], not a list of int ids")])
+def test_train_names_an_example_that_is_not_token_ids(bad, match):
+    "Old: tensors gave torch's 'Boolean value of Tensor ... is ambiguous', text a TypeError of '<='."
+    with pytest.raises(TypeError, match=rf"train_examples\[50\]: {match}"):
+        train(Transformer(tiny_config()), copy_examples(50) + [bad], None, quick(), progress=False)
+
+
 def test_load_optimizer_state_keeps_this_devices_kernel():
     from transformer.engine.checkpoints import load_optimizer_state
     from transformer.training import make_optimizer

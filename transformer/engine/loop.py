@@ -124,13 +124,14 @@ def check_examples(examples, config: TransformerConfig, name: str) -> None:
                              f"{examples.vocab_size}, the model {config.src_vocab} (source) "
                              f"and {config.tgt_vocab} (target); build the model with its size")
         return
-    for i, (src, tgt) in enumerate(examples):
-        for side, ids, vocab in (("source", src, config.src_vocab),
-                                 ("target", tgt, config.tgt_vocab)):
-            if ids and not 0 <= min(ids) <= max(ids) < vocab:
+    for i, pair in enumerate(examples):
+        for side, ids, n in zip(("source", "target"), pair, (config.src_vocab, config.tgt_vocab)):
+            if type(ids) not in (list, tuple) or not all(type(t) is int for t in ids):
+                raise TypeError(f"{name}[{i}]: the {side} is {ids!r:.40}, not a list of int ids")
+            if ids and not 0 <= min(ids) <= max(ids) < n:
                 bad = min(ids) if min(ids) < 0 else max(ids)
                 raise ValueError(f"{name}[{i}]: the {side} holds token id {bad} "
-                                 f"outside the vocabulary [0, {vocab})")
+                                 f"outside the vocabulary [0, {n})")
             if not ids or max(ids) == PAD:   # a query would see no key (appendix D.2)
                 raise ValueError(f"{name}[{i}]: the {side} holds no token but padding; "
                                  "encode every sentence with its end token, as "
@@ -227,8 +228,7 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
         return loop.run(resume)
 
 # %% ../../book/e_2_loop.ipynb #c031a
-def my_pieces(step_pieces: list[list[int]], rank: int = 0,
-              world_size: int = 1) -> list[list[int]]:
+def my_pieces(step_pieces: list[list[int]], rank: int = 0, world_size: int = 1) -> list[list[int]]:
     "The pieces of one global batch (chapter 8's `epoch_batches`) that process `rank` of `world_size` computes."
     return step_pieces[rank::world_size]
 
