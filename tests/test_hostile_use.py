@@ -275,3 +275,12 @@ def test_train_config_refuses_a_seed_torch_cannot_take(seed):
     from transformer import TrainConfig
     with pytest.raises(ValueError, match=r"^seed=.* must be an int in \[0, 2\*\*63\)$"):
         TrainConfig(seed=seed)
+
+
+@pytest.mark.parametrize("bad", [None, [], "d_model=64"])
+def test_from_dict_names_what_it_was_given_instead_of_a_dict(bad):
+    "Old: from_dict(None) said 'argument of type 'NoneType' is not iterable'."
+    from transformer import TrainConfig, TransformerConfig
+    for cls in (TransformerConfig, TrainConfig):
+        with pytest.raises(TypeError, match=rf"{cls.__name__}.from_dict takes a dict of its fields, not a "):
+            cls.from_dict(bad)

@@ -646,6 +646,8 @@ def config_from_dict(cls, d: dict):
     Chapter 19.1's field `arch`, which chapter 7.1's config held before (config.json and
     checkpoints of older runs): "encoder-decoder" reads as `cls`, another as the subclass
     `transformer.modern.gpt` registered for it in `ARCH_CONFIGS`."""
+    if not isinstance(d, dict):   # None, a list: json.load of a damaged file
+        raise TypeError(f"{cls.__name__}.from_dict takes a dict of its fields, not a {type(d).__name__}")
     known = {f.name for f in fields(cls)}
     if "arch" in d and "arch" not in known:
         kind = ARCH_CONFIGS.get(d["arch"])
