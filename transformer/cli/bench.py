@@ -74,12 +74,12 @@ class _Bench:
         self.generated = {}
 
     def timed(self, fn) -> float:
-        if self.dev.type != "cpu":                 # CUDA, MPS: wait for the kernels
-            torch.accelerator.synchronize(self.dev)
+        # CUDA, MPS: wait for the kernels (not with torch.accelerator: torch 2.4 has none)
+        wait = {"cuda": torch.cuda.synchronize, "mps": lambda dev: torch.mps.synchronize()}
+        wait.get(self.dev.type, lambda dev: None)(self.dev)
         t0 = time.perf_counter()
         fn()
-        if self.dev.type != "cpu":                 # CUDA, MPS: wait for the kernels
-            torch.accelerator.synchronize(self.dev)
+        wait.get(self.dev.type, lambda dev: None)(self.dev)
         return time.perf_counter() - t0
 
     def step(self, name: str, i: int) -> float:
