@@ -281,9 +281,9 @@ class _Loop:
         if config.compile:  # one graph for the step (DDP splits it at its buckets)
             inductor_workarounds()  # appendix F
             if buckets:     # a static graph a bucket: let Dynamo keep one for every length
-                limit = model.config.max_len // buckets + 2
-                torch._dynamo.config.recompile_limit = max(
-                    torch._dynamo.config.recompile_limit, limit)
+                limit, cfg = model.config.max_len // buckets + 2, torch._dynamo.config
+                name = next(n for n in ("recompile_limit", "cache_size_limit") if hasattr(cfg, n))
+                setattr(cfg, name, max(getattr(cfg, name), limit))   # the 2nd: torch < 2.7
             self.net = torch.compile(self.net, fullgraph=self.ddp is None,
                                      dynamic=False if buckets else None)
         self.at = dict(step=0, epoch=0, batch=0, seconds=0.0, eval_seconds=0.0, tokens=0)
