@@ -6,6 +6,8 @@ from unittest import mock
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import transformer.cli.bench as bench
 import transformer.cli.train as cli_train
@@ -103,3 +105,36 @@ def test_bench_refuses_an_absent_device_before_any_work(capsys):
     with a, b, pytest.raises(SystemExit) as e:
         bench.main(["--device", "mps"])
     assert e.value.code == 2 and "--device mps: no Apple silicon GPU is available here" in capsys.readouterr().err
+
+
+class NoFloat64(TorchDispatchMode):
+    "A device without float64, as MPS: an op that makes a float64 tensor raises (torch's TypeError on MPS)."
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if any(isinstance(t, torch.Tensor) and t.dtype == torch.float64 for t in tree_leaves(out)):
+            raise TypeError(f"{func}: MPS has no float64")
+        return out
+
+
+def test_training_validating_and_beam_search_keep_their_sums_in_float32_on_mps(monkeypatch):
+    """The loop's sums (its log window, the validation loss) and beam search's scores are float64 where the
+    device has it; MPS has none. Here the CPU plays MPS: `sum_dtype` answers as for MPS, and an op that makes a
+    float64 tensor raises."""
+    from copy_task import copy_examples
+
+    from transformer.engine import fast, loop
+    from transformer.model import Transformer, TransformerConfig
+    from transformer.tokens import pad_batch
+    assert devices.sum_dtype(torch.device("mps")) == torch.float32
+    assert devices.sum_dtype("cpu") == devices.sum_dtype(torch.device("cuda", 1)) == torch.float64
+    for module in (loop, fast):
+        monkeypatch.setattr(module, "sum_dtype", lambda device: torch.float32, raising=False)
+    torch.manual_seed(0)
+    model = Transformer(TransformerConfig(src_vocab=16, tgt_vocab=16, d_model=16, d_ff=32, h=2, n_layers=1))
+    examples = copy_examples(40)
+    with NoFloat64():
+        result = loop.train(model, examples, examples[:8], loop.RunConfig(batch_tokens=256, max_steps=4,
+                            eval_every=2, log_every=2), progress=False)
+        hyps = fast.beam_search(model.eval(), pad_batch([ids for ids, _ in examples[:3]])[0], beam_size=3)
+    assert result.step == 4 and [r["kind"] for r in result.history] == ["train", "eval"] * 2
+    assert len(hyps) == 3

@@ -23,8 +23,8 @@ from ..data import UserError
 
 # %% auto #0
 __all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_kernels',
-           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'allocator_counts', 'distributed',
-           'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
+           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'sum_dtype', 'prefetch', 'allocator_counts',
+           'distributed', 'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -77,8 +77,7 @@ class Precision:
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer,
-             found_inf: torch.Tensor) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, found_inf: torch.Tensor) -> None:
         """The optimizer's step, skipped on the device where `found_inf` is 1 (or where
         the scaler found an overflow): no host sync, and no NaN reaches the weights.
         Needs the fused Adam of `make_optimizer`."""
@@ -96,8 +95,7 @@ class Precision:
                 del optimizer.found_inf
 
 
-def choose_precision(device: torch.device, amp: bool = True,
-                     cpu_bf16: bool = False) -> Precision:
+def choose_precision(device: torch.device, amp: bool = True, cpu_bf16: bool = False) -> Precision:
     """bf16 autocast on a GPU that has bf16 (Ampere and later), else float16 with a
     `GradScaler` (older GPUs); on the CPU bf16 only when asked (`cpu_bf16`); float32
     otherwise."""
@@ -110,8 +108,7 @@ def choose_precision(device: torch.device, amp: bool = True,
         if not cpu_has_bf16_units():
             warnings.warn("cpu_bf16=True on a CPU without bf16 instructions "
                           "(AMX, AVX512-BF16): autocast may be slower than "
-                          "float32 here; set cpu_bf16=False (--no-cpu-bf16)",
-                          stacklevel=3)
+                          "float32 here; set cpu_bf16=False (--no-cpu-bf16)", stacklevel=3)
         return Precision("cpu", torch.bfloat16)
     return Precision(device.type)
 
@@ -163,6 +160,11 @@ def pick_device(name: str = "auto", compile: bool = False) -> torch.device:
 def pins_memory(device) -> bool:
     "Whether `prefetch` makes batches for `device` in page-locked memory: CUDA only."
     return torch.device(device).type == "cuda"
+
+
+def sum_dtype(device) -> torch.dtype:
+    "The dtype of sums kept on `device`: float64, but float32 on MPS, which has no float64."
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 # %% ../../book/f_devices.ipynb #f015
 def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):
@@ -308,8 +310,7 @@ def peak_memory(fn, device: torch.device) -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     from torch.profiler import ProfilerActivity, profile
-    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                  profile_memory=True) as prof:
+    with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
     events = sorted((e.start_ns(), e.nbytes())
                     for e in prof.profiler.kineto_results.events()

@@ -20,6 +20,7 @@ from ..attention import scaled_dot_product_attention
 from ..blocks import DecoderLayer, EncoderLayer, residual
 from ..data import is_int, is_number
 from ..decoding import PrefixDecoder, length_penalty, output_limits, until_eos
+from .devices import sum_dtype  # appendix F
 from ..evaluation import score
 from ..heads import MultiHeadAttention, merge_heads, split_heads
 from ..masking import padding_mask, teacher_forcing
@@ -387,7 +388,7 @@ def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: floa
     scores = torch.full((B, K), -math.inf, device=device)
     scores[:, 0] = 0.0
     # the best finished hypothesis of each sentence: normalised score and tokens
-    best = torch.full((B,), -math.inf, dtype=torch.float64, device=device)
+    best = torch.full((B,), -math.inf, dtype=sum_dtype(device), device=device)
     best_ys = torch.full((B, max(limits)), pad, dtype=torch.long, device=device)
     ended = torch.zeros(B, dtype=torch.long, device=device)   # hypotheses finished
     done = torch.zeros(B, dtype=torch.bool, device=device)
@@ -409,7 +410,7 @@ def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: floa
         finish = torch.cat([eos & first_k, keep & full], 1)              # (B, 4K)
         keep &= ~full
         # the best hypothesis that finished now; a tie keeps the earlier one
-        now = (torch.cat([top, top], 1).double() / length_penalty(t + 1, alpha)
+        now = (torch.cat([top, top], 1).to(best.dtype) / length_penalty(t + 1, alpha)
                ).masked_fill(~finish, -math.inf)                         # (B, 4K)
         now_best, at = now.max(-1)
         better = now_best > best
@@ -417,8 +418,7 @@ def beam_search(model: Transformer, src: Tensor, beam_size: int = 4, alpha: floa
         prefix = ys[(first_row + beam).gather(1, j).squeeze(1)]
         last = torch.where(at >= top.size(1), token.gather(1, j).squeeze(1), pad)  # an EOS is not kept
         best_ys[:, :t + 1] = torch.where(
-            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1),
-            best_ys[:, :t + 1])
+            better[:, None], torch.cat([prefix[:, 1:], last[:, None]], 1), best_ys[:, :t + 1])
         best = torch.where(better, now_best, best)
         ended += finish.sum(-1)
         done |= (ended >= K) | ~keep.any(-1)

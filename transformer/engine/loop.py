@@ -49,6 +49,7 @@ from transformer.engine.devices import (  # appendix F
     fast_kernels,
     inductor_workarounds,
     prefetch,
+    sum_dtype,
     world,
 )
 from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
@@ -147,7 +148,7 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
     precision = precision or Precision(device.type)
     was_training = model.training
     criterion = FastSeq2SeqLoss(model, epsilon).eval()
-    total = torch.zeros(3, dtype=torch.float64, device=device)  # loss, NLL, real targets
+    total = torch.zeros(3, dtype=sum_dtype(device), device=device)  # loss, NLL, real targets
     pieces = token_batches([s for s, _ in examples], [t for _, t in examples],
                            batch_tokens, shuffle=False)
     for piece in my_pieces(pieces, *world()):
@@ -155,7 +156,7 @@ def evaluate_loss(model: Transformer, examples, batch_tokens: int = 8000,
         with precision.autocast():
             loss, nll = criterion(src, tgt)
         real = (tgt[:, 1:] != model.config.pad_id).sum()
-        total += torch.stack([loss.double(), nll.double(), real.double()])
+        total += torch.stack([t.to(total.dtype) for t in (loss, nll, real)])
     model.train(was_training)
     loss, nll, n = all_sum(total).tolist()
     return {"val_loss": loss / n, "val_nll": nll / n, "val_ppl": math.exp(min(nll / n, 50.0))}
@@ -299,7 +300,7 @@ class _Loop:
         self.progress = progress and self.rank == 0
         # on the device, read every log_every steps: loss and NLL sums, steps that
         # went non-finite, and the first of them (step, loss sum, gradient norm)
-        self.window = torch.zeros(6, dtype=torch.float64, device=self.device)
+        self.window = torch.zeros(6, dtype=sum_dtype(self.device), device=self.device)
         self.grad_norm = self.window.new_zeros(())
 
     def resume(self) -> None:
@@ -445,7 +446,7 @@ class _Loop:
                 with self.precision.autocast():
                     loss, nll = self.net(src, tgt)
                 self.precision.backward(loss * (self.world_size / n))
-            sums += torch.stack([loss.detach(), nll.detach()]).double()
+            sums += torch.stack([loss.detach(), nll.detach()]).to(sums.dtype)
         lr = rate(self.at["step"] + 1, self.model.config.d_model, c.warmup, c.lr_scale)
         set_rate(self.optimizer, lr)
         self.precision.unscale(self.optimizer)
@@ -460,10 +461,10 @@ class _Loop:
         self.at["tokens"] += n
         first = bad & (self.window[2] == 0)
         w = self.window
-        w[:3] += torch.cat([sums, bad.double()[None]])
+        w[:3] += torch.cat([sums, bad.to(w.dtype)[None]])
         # new_full: a fill kernel; new_tensor would copy from host memory and wait
         w[3:] = torch.where(first, torch.stack([w.new_full((), self.at["step"]), sums[0],
-                                                self.grad_norm.double()]), w[3:])
+                                                self.grad_norm.to(w.dtype)]), w[3:])
         return lr
 
     def should_stop(self) -> str | None:
@@ -515,7 +516,7 @@ class _Loop:
         A step that went non-finite (its update was skipped) is a `TrainingError`."""
         loss, nll = all_sum(self.window[:2].clone()).tolist()
         bad, first, first_loss, first_norm, grad_norm = torch.cat(
-            [self.window[2:], self.grad_norm.double()[None]]).tolist()
+            [self.window[2:], self.grad_norm.to(self.window.dtype)[None]]).tolist()
         if bad:
             what, value = (("loss", first_loss) if not math.isfinite(first_loss)
                            else ("gradient norm", first_norm))
@@ -644,8 +645,7 @@ class SubwordDropout:
     holds) keeps its deterministic ids."""
 
     def __init__(self, tokenizer: Tokenizer, pairs: list[tuple[str, str]], p: float,
-                 seed: int = 0, max_len: int | None = None,
-                 max_tokens: int | None = None):
+                 seed: int = 0, max_len: int | None = None, max_tokens: int | None = None):
         if not is_number(p) or not 0 < p < 1:
             raise ValueError(f"p={p!r} must be in (0, 1); without dropout there is one "
                              "segmentation: use make_examples")
@@ -664,8 +664,7 @@ class SubwordDropout:
     def __len__(self) -> int:
         return len(self.fixed)
 
-    def _split(self, ids: np.ndarray, rng: np.random.Generator
-               ) -> tuple[np.ndarray, np.ndarray]:
+    def _split(self, ids: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         """Every merge behind the pieces `ids` undone with probability `p`, a level of
         the tree at a time: the pieces that come out, in order (a piece's left part
         before its right), and for each the position in `ids` of the piece it came from.
