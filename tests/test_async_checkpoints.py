@@ -148,6 +148,32 @@ def test_host_copy_is_a_snapshot_that_keeps_tied_tensors_tied():
     assert copy["progress"] == {"step": 3} and copy["model_config"] == state["model_config"]
 
 
+def test_copies_from_a_gpu_that_is_not_the_current_one_are_waited_for_on_that_gpus_stream(monkeypatch):
+    """A model on cuda:1 while cuda:0 is current (`train` called from Python without `torch.cuda.set_device`):
+    a non-blocking copy from cuda:1 runs on cuda:1's current stream, so the event the writer waits for must be
+    recorded there; recorded on cuda:0's, the writer could save pinned memory the copies had not filled. Torch's
+    CUDA calls are mocked: the tensors are CPU tensors that say they live on cuda:1."""
+    class OnGPU1(torch.Tensor):
+        @property
+        def device(self):
+            return torch.device("cuda", 1)
+
+    def current_stream(device=None):
+        return f"the stream of {torch.device('cuda', 0) if device is None else device}"   # cuda:0 is current
+
+    class Event:          # torch.cuda.Event.record(): on the current device's current stream by default
+        def record(self, stream=None):
+            recorded.append(stream or current_stream())
+    recorded, empty = [], torch.empty
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))   # no pinned memory here
+    weights = {"w": torch.arange(6.0).as_subclass(OnGPU1), "b": torch.ones(2).as_subclass(OnGPU1)}
+    copy, event = host_copy({"model": weights, "progress": {"step": 3}})
+    assert isinstance(event, Event) and recorded == ["the stream of cuda:1"]
+    assert torch.equal(copy["model"]["w"], torch.arange(6.0)) and copy["progress"] == {"step": 3}
+
+
 def test_the_writer_writes_one_at_a_time_and_raises_a_failure_once(tmp_path, monkeypatch):
     order = []
     release = threading.Event()

@@ -282,9 +282,9 @@ def model_from_checkpoint(checkpoint: dict | str | os.PathLike, device=None, *,
 def host_copy(state):
     """`state` (dicts and lists of tensors and plain values) with every tensor copied to
     host memory: a snapshot the next training step cannot change. Returns `(copy, event)`.
-    From a GPU the copies go to pinned memory without waiting; they are done when `event`
-    is (None: every tensor was on the CPU, copied at once). Views of one tensor (tied
-    embeddings) stay one tensor."""
+    From a GPU the copies go to pinned memory without waiting, on that GPU's stream (not
+    the current device's); they are done when `event` is (None: all on the CPU, copied at
+    once). Views of one tensor (tied embeddings) stay one tensor."""
     copies, event = {}, None
 
     def copy(x):
@@ -298,7 +298,7 @@ def host_copy(state):
         key = (x.data_ptr(), x.dtype, x.shape, x.stride())
         if key not in copies:
             if x.device.type == "cuda":
-                event = event or torch.cuda.Event()
+                event = event or (torch.cuda.Event(), torch.cuda.current_stream(x.device))
                 copies[key] = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
                 copies[key].copy_(x.detach(), non_blocking=True)
             else:
@@ -307,8 +307,8 @@ def host_copy(state):
 
     state = copy(state)
     if event is not None:
-        event.record()   # behind the copies, on the stream that runs the training step
-    return state, event
+        event[0].record(event[1])   # behind the copies: the stream of their GPU, the step's
+    return state, event and event[0]
 
 
 class CheckpointWriter:
