@@ -138,3 +138,15 @@ def test_training_validating_and_beam_search_keep_their_sums_in_float32_on_mps(m
         hyps = fast.beam_search(model.eval(), pad_batch([ids for ids, _ in examples[:3]])[0], beam_size=3)
     assert result.step == 4 and [r["kind"] for r in result.history] == ["train", "eval"] * 2
     assert len(hyps) == 3
+
+
+def test_float32_asks_for_no_autocast_context_which_torch_2_4_lacks_on_mps(monkeypatch):
+    """torch 2.4 has no autocast on MPS (it came in 2.5): there even `torch.autocast("mps", enabled=False)` raises.
+    MPS computes in float32, whose precision enters no autocast context. torch 2.4 simulated."""
+    import torch.amp.autocast_mode as autocast_mode
+    available = autocast_mode.is_autocast_available
+    monkeypatch.setattr(autocast_mode, "is_autocast_available", lambda device: device != "mps" and available(device))
+    with pytest.raises(RuntimeError, match="unsupported autocast device_type 'mps'"):
+        torch.autocast("mps", enabled=False)
+    with choose_precision(torch.device("mps")).autocast():
+        assert not torch.is_autocast_enabled("cpu")

@@ -65,9 +65,9 @@ class Precision:
     scaler: torch.amp.GradScaler | None = None
 
     def autocast(self):
-        "The context the forward pass runs in."
-        return torch.autocast(self.device_type, dtype=self.dtype or torch.float32,
-                              enabled=self.dtype is not None)
+        "The context the forward pass runs in: none for float32 (torch 2.4 has no MPS autocast)."
+        return (torch.autocast(self.device_type, dtype=self.dtype) if self.dtype is not None
+                else contextlib.nullcontext())
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
