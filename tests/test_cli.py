@@ -505,6 +505,54 @@ def test_bench_and_sweep_report_like_main(monkeypatch, capsys, command):
         assert err.splitlines()[-1].startswith("error: "), err
 
 
+def test_output_is_utf8_where_python_chose_another_encoding(monkeypatch):
+    """Windows gives a stdout redirected to a file or a pipe its code page (cp1252): `translate > out.txt` stopped
+    with UnicodeEncodeError at a character cp1252 lacks (sentencepiece's ⁇), and wrote cp1252 where the package reads
+    UTF-8. main writes UTF-8 there; a terminal keeps its encoding, with '?' for what it cannot show."""
+    import transformer.__main__ as entry
+    said = "Ein Hund läuft über ⁇"
+
+    class Terminal(io.TextIOWrapper):
+        def isatty(self):
+            return True
+
+    def translate(args):
+        print(said)
+        print(said, file=sys.stderr)
+        return 0
+    monkeypatch.setattr(entry, "commands", lambda: {"translate": translate})
+    for kind, encoding, shown in ((io.TextIOWrapper, "utf-8", said), (Terminal, "cp1252", said[:-1] + "?")):
+        out, err = (kind(io.BytesIO(), encoding="cp1252") for _ in range(2))
+        monkeypatch.setattr(sys, "stdout", out)
+        monkeypatch.setattr(sys, "stderr", err)
+        assert entry.main(["translate", "--model", "m", "x"]) == 0
+        for stream in (out, err):
+            stream.flush()
+            assert stream.buffer.getvalue().decode(encoding) == shown + os.linesep
+
+
+@pytest.mark.slow
+def test_compile_without_a_cxx_compiler_is_one_line(monkeypatch, capsys):
+    """torch.compile on a CPU builds C++ kernels: Windows without Visual Studio's cl on PATH (or a Mac whose compiler
+    lacks OpenMP) has none, and `train --compile` ended as "a bug in the transformer package", with a traceback. Here
+    inductor is pointed at a compiler that does not exist, and its real error goes to `report`."""
+    import torch._inductor.config as inductor
+
+    from transformer.cli.commands import report
+    monkeypatch.setattr(inductor.cpp, "cxx", ("no-such-c++",))
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: (x.sin() + 1).sum())(torch.randn(8))
+    except Exception as e:
+        raised = e
+    finally:
+        torch._dynamo.reset()
+    assert report(raised, "train") == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("error: --compile found no working C++ compiler (") and "drop --compile" in err, err
+
+
 def test_attend_help_states_the_limits_plots_enforces(capsys):
     "Issue 28 (6): the limits are stated in --help; plots.py holds the numbers (cli.py may not import matplotlib)."
     plots = pytest.importorskip("transformer.figures.plots")

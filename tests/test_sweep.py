@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -499,3 +500,33 @@ def test_out_or_results_naming_a_file_is_refused_before_any_work(tmp_path, flag)
     assert code == 2 and stdout == "" and err == f"error: {flag} {tmp_path / 'afile'} is a file; name a directory " \
                                                  "(it is created if missing)\n"
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_failed_variant_is_recorded_where_signal_has_no_sigkill(tmp_path, monkeypatch):
+    "Windows has no signal.SIGKILL: the sweep stopped with AttributeError at the first failed variant."
+    import transformer.cli.sweep as sw
+    monkeypatch.delattr(signal, "SIGKILL")
+    _children(monkeypatch, {"bad": [sys.executable, "-c", "import sys; sys.exit('error: no such file')"]})
+    said = []
+    assert sw.run_sweep([Variant("bad", "x")], [], tmp_path / "runs", say=said.append) == {"bad": "failed"}
+    assert json.loads((tmp_path / "runs" / "bad" / "failed.json").read_text())["error"] == "error: no such file"
+    assert said[-1].startswith("FAILED bad after ") and "log.txt" in said[-1]
+
+
+@pytest.mark.slow
+def test_a_childs_utf8_error_survives_a_locale_that_is_not_utf8(tmp_path):
+    """The children write UTF-8 (`transformer.__main__.utf8_output`); the sweep read their log in the locale's
+    encoding (Windows: cp1252), and failed.json's error came out garbled. Here the locale is ASCII (C, without
+    Python's UTF-8 mode), a stand-in for cp1252."""
+    said = "error: /data/Müller/train.de: no such file ⁇"
+    child = tmp_path / "child.py"       # a failing train's stand-in, writing as the package's main does
+    child.write_text(f"import sys\nsys.stderr.buffer.write({(said + chr(10)).encode()!r})\nsys.exit(1)\n")
+    script = ("import sys; import transformer.cli.sweep as sw; from transformer.engine.trained import Variant; "
+              "sw.command_line = lambda *a, **k: [sys.executable, sys.argv[1]]; "
+              "sw.run_sweep([Variant('bad', 'x')], [], sys.argv[2], say=lambda *a: None)")
+    env = {**os.environ, "LC_ALL": "C", "PYTHONCOERCECLOCALE": "0", "PYTHONUTF8": "0",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-X", "utf8=0", "-c", script, child, tmp_path / "runs"], env=env,
+                          capture_output=True)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert json.loads((tmp_path / "runs" / "bad" / "failed.json").read_text("utf-8"))["error"] == said

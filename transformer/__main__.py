@@ -7,6 +7,7 @@ which parses the line and turns every error into one line. `bench` (`transformer
 appendix D), `sweep` (`transformer.cli.sweep`, C.3) and `prepare` (`transformer.engine.corpus`,
 A.1) have parsers of their own and are handed over before it runs.
 """
+import codecs
 import sys
 
 from transformer.cli import train, use
@@ -26,9 +27,23 @@ def commands() -> dict:
             "plot": use.cmd_plot, "attend": use.cmd_attend}
 
 
+def utf8_output() -> None:
+    """Write stdout and stderr in UTF-8, the encoding of every text file the package reads,
+    where Python chose another: Windows gives output to a file or a pipe the locale's code
+    page (cp1252), where `translate > out.txt` stopped with UnicodeEncodeError at a character
+    it lacks (sentencepiece's ⁇ for an unknown piece) and wrote a file that `translate` and
+    `evaluate --src-file` refuse as not UTF-8. A terminal keeps its encoding; what it cannot
+    show becomes '?'."""
+    for stream in (sys.stdout, sys.stderr):
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        if codecs.lookup(encoding).name != "utf-8" and hasattr(stream, "reconfigure"):
+            stream.reconfigure(**({"errors": "replace"} if stream.isatty() else {"encoding": "utf-8"}))
+
+
 def main(argv: list[str] | None = None) -> int:
     "Run `python -m transformer <command> ...`; returns the exit code."
     argv = sys.argv[1:] if argv is None else list(argv)
+    utf8_output()
     if not argv or argv[0] not in OWN_PARSERS:
         return run_command(argv, commands())
     try:

@@ -430,10 +430,9 @@ M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4      # glibc's mallopt parameters (malloc.
 
 
 def keep_freed_memory() -> bool:
-    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return
-    freed memory to the operating system, so that the tensors of one training step reuse
-    the pages of the last one. Process-wide; returns False where it does not apply (not
-    glibc)."""
+    """Ask glibc's malloc to serve every block from its heap (no mmap) and never return freed memory
+    to the operating system, so that the tensors of one training step reuse the pages of the last
+    one. Process-wide; returns False where it does not apply (not glibc)."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**31 - 1))
@@ -497,8 +496,9 @@ _LOWER = {"train": "--batch-tokens (or choose a smaller --preset)",
 
 
 def report(e: BaseException, command: str | None = None) -> int:
-    """Print what went wrong and return the exit code: a `UserError`, an `OSError` or running
-    out of memory as one line on stderr; anything else as a bug, with its traceback."""
+    """Print what went wrong and return the exit code: a `UserError`, an `OSError`, running out of
+    memory or no C++ compiler for `--compile` as one line on stderr; anything else as a bug, with
+    its traceback."""
     if isinstance(e, (UserError, OSError)):   # OSError: the machine's (a permission, a full disk)
         print(f"error: {_one_line(e)}", file=sys.stderr)
         return e.code if isinstance(e, UserError) else 1
@@ -506,6 +506,12 @@ def report(e: BaseException, command: str | None = None) -> int:
             isinstance(e, RuntimeError) and "can't allocate memory" in str(e)):
         print(f"error: out of memory ({_one_line(e)[:120]}); lower "
               f"{_LOWER.get(command, 'the batch or the input size')}", file=sys.stderr)
+        return 1
+    # torch.compile's C++ toolchain (Windows: MSVC's cl; macOS: a compiler with OpenMP)
+    if type(getattr(e, "inner_exception", e)).__name__ in ("InvalidCxxCompiler", "CppCompileError"):
+        print(f"error: --compile found no working C++ compiler ({_one_line(e)[:100]}); drop "
+              "--compile, or install one (Windows: Visual Studio's C++ tools, from their "
+              "developer prompt)", file=sys.stderr)
         return 1
     traceback.print_exception(e)
     print(f"error: this is a bug in the transformer package, not in your input "

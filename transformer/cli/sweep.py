@@ -49,7 +49,7 @@ class _Job:
                 for path in run_files(self.dir):  # files a fresh run refuses
                     path.unlink(missing_ok=True)
         self.cmd = command_line(variant, base, self.dir, extra)
-        self.log = open(self.dir / "log.txt", "a")
+        self.log = open(self.dir / "log.txt", "a", encoding="utf-8")  # the children write UTF-8
         print(f"$ {shlex.join(self.cmd)}", file=self.log, flush=True)
         self.started = time.monotonic()
         # an evaluation's stdout (its JSON line) goes to a file, not a pipe: a pipe read
@@ -66,11 +66,10 @@ class _Job:
             write_json(self.dir / name, {**record, "command": shlex.join(self.cmd[1:])})
 
     def finish(self) -> bool:
-        """After the process ended: write an evaluation's results, or failed.json (the
-        error and the output's last lines, kept as a result: a diverged run is one, and
-        so is an evaluation whose last line is not a JSON object); True if it
-        succeeded. `RunDirectoryError` if another process took the run's lock meanwhile
-        (nothing is recorded then)."""
+        """After the process ended: write an evaluation's results, or failed.json (the error and the
+        output's last lines, kept as a result: a diverged run is one, and so is an evaluation whose
+        last line is not a JSON object); True if it succeeded. `RunDirectoryError` if another
+        process took the run's lock meanwhile (nothing is recorded then)."""
         code, record = self.proc.wait(), None
         if self.stdout is not self.log:
             self.stdout.seek(0)
@@ -87,8 +86,8 @@ class _Job:
         ok = code == 0 and (record is not None or self.variant.command == "train")
         if record is not None:
             self._record("results.json", {**record, "variant": self.variant.name})
-        if not ok and code != -signal.SIGKILL:
-            log = (self.dir / "log.txt").read_text(errors="replace").splitlines()
+        if not ok and code != -getattr(signal, "SIGKILL", 9):   # Windows has no SIGKILL
+            log = (self.dir / "log.txt").read_text("utf-8", "replace").splitlines()
             errors = [line for line in log if line.startswith("error:")]
             error = errors[-1] if errors else (
                 None if code else "its last line is not the JSON object of a result")
@@ -99,11 +98,10 @@ class _Job:
 # %% ../../book/c_3_sweep.ipynb #s010
 def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: int = 1,
               extra: list[str] = (), retry_failed: bool = False, say=print) -> dict[str, str]:
-    """Run every variant not yet done (nor failed, unless `retry_failed`), `jobs` at a
-    time; returns {name: "done" | "skipped" | "failed" | "busy" | "stopped"} ("busy": its
-    directory is held by a live process, which the sweep leaves alone). Ctrl-C or SIGTERM
-    stops the children (each saves its `last.pt`) and raises `KeyboardInterrupt`: the
-    same call resumes."""
+    """Run every variant not yet done (nor failed, unless `retry_failed`), `jobs` at a time; returns
+    {name: "done" | "skipped" | "failed" | "busy" | "stopped"} ("busy": its directory is held by a
+    live process, which the sweep leaves alone). Ctrl-C or SIGTERM stops the children (each saves
+    its `last.pt`) and raises `KeyboardInterrupt`: the same call resumes."""
     out, status = Path(out), {}
 
     def busy(name: str, e: RunDirectoryError) -> None:  # held, e.g. by an earlier sweep
@@ -145,7 +143,7 @@ def run_sweep(variants: list[Variant], base: list[str], out: str | Path, jobs: i
                     continue
                 status[job.variant.name] = "done" if ok else "failed"
                 why = ("" if ok else f"; see {job.dir / 'log.txt'}"
-                       if job.proc.returncode != -signal.SIGKILL else
+                       if job.proc.returncode != -getattr(signal, "SIGKILL", 9) else
                        " (killed by SIGKILL, e.g. out of memory: the next call resumes "
                        "it from its last.pt)")
                 say(f"{'done  ' if ok else 'FAILED'} {job.variant.name} after "

@@ -167,15 +167,14 @@ def translate_chunks(model: Transformer, tokenizer: Tokenizer, sentences: Iterab
                      beam_size: int = 4, alpha: float = 0.6, batch_tokens: int = BATCH_TOKENS,
                      bar: tqdm | None = None, decode: Callable = translate
                      ) -> Iterator[list[str]]:
-    """Translate an iterable of any length, one chunk (`CHUNK` sentences, at most
-    `CHUNK_CHARS` characters) at a time: yields each chunk's translations, in input
-    order, a blank sentence as "". Within a chunk the sentences are sorted by length
-    and decoded in batches of at most `batch_tokens` positions (beams x (source +
-    output capacity), the KV caches' size), so memory follows the budget, not the
-    input. The search: `beam_size` beams (default 4, the paper's; 1: greedy), length
-    penalty `alpha` (default 0.6). `decode` translates one batch (chapter 9's
-    `translate`, which cuts an over-long source to max_len with a warning); `bar`
-    counts sentences."""
+    """Translate an iterable of any length, one chunk (`CHUNK` sentences, at most `CHUNK_CHARS`
+    characters) at a time: yields each chunk's translations, in input order, a blank sentence as
+    "". Within a chunk the sentences are sorted by length and decoded in batches of at most
+    `batch_tokens` positions (beams x (source + output capacity), the KV caches' size), so memory
+    follows the budget, not the input. The search: `beam_size` beams (default 4, the paper's; 1:
+    greedy), length penalty `alpha` (default 0.6). `decode` translates one batch (chapter 9's
+    `translate`, which cuts an over-long source to max_len with a warning); `bar` counts
+    sentences."""
     if not is_int(batch_tokens) or batch_tokens < 1:
         raise ValueError(f"batch_tokens={batch_tokens!r} must be an int >= 1")
     max_len, it = model.config.max_len, iter(sentences)
