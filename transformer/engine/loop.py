@@ -169,24 +169,22 @@ def train(model: Transformer, train_examples, val_examples: list | None = None,
           resume: bool = False, on_eval=None, progress: bool = True,
           run: dict | None = None, eval_share: float | None = None,
           buckets: int | None = None) -> TrainResult:
-    """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a
-    list, a function of the epoch that returns that epoch's list (`SubwordDropout`), or a
-    prepared corpus (appendix A.1's `ShardedCorpus`, batched from its lengths).
+    """Train `model` (on the device it lives on) on `(src_ids, tgt_ids)` examples: a list, a
+    function of the epoch that returns that epoch's list (`SubwordDropout`), or a prepared corpus
+    (appendix A.1's `ShardedCorpus`, batched from its lengths).
 
-    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the
-    directory's `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`,
-    and without it a directory that already holds a run is refused.
-    `on_eval(model, step) -> dict` adds metrics at each evaluation (a `"bleu"` key then
-    picks `best.pt`); with several processes every one calls it. `run` is recorded in
-    every checkpoint (see `save_checkpoint`). Ctrl-C or SIGTERM stops after the
-    current step and saves `last.pt` (`stopped="interrupted"`). Runs under torchrun
-    with DDP when a process group exists. `eval_share` (e.g. 0.1, the command line's
-    default) caps the evaluations' share of the run's time: an evaluation due every
-    `eval_every` steps is put off to a later multiple while it would pass that share,
-    timed as the last one took; `last.pt` is still saved every `eval_every` steps, and
-    the first and the final evaluations always run. `buckets=m` (with `compile`) pads
-    each batch to its bucket (`bucket`): one static graph a bucket instead of one graph
-    with dynamic shapes."""
+    Writes `metrics.jsonl`, `last.pt` and `best.pt` to `out_dir` when given, holding the directory's
+    `run_lock` meanwhile; `resume=True` continues from `out_dir/last.pt`, and without it a directory
+    that already holds a run is refused. `on_eval(model, step) -> dict` adds metrics at each
+    evaluation (a `"bleu"` key then picks `best.pt`); with several processes every one calls it.
+    `run` is recorded in every checkpoint (see `save_checkpoint`). Ctrl-C or SIGTERM stops after the
+    current step and saves `last.pt` (`stopped="interrupted"`). Runs under torchrun with DDP when a
+    process group exists. `eval_share` (e.g. 0.1, the command line's default) caps the evaluations'
+    share of the run's time: an evaluation due every `eval_every` steps is put off to a later
+    multiple while it would pass that share, timed as the last one took; `last.pt` is still saved
+    every `eval_every` steps, and the first and the final evaluations always run. `buckets=m` (with
+    `compile`) pads each batch to its bucket (`bucket`): one static graph a bucket instead of one
+    graph with dynamic shapes."""
     if not isinstance(config, RunConfig):   # chapter 8's recipe, run with the engine's defaults
         config = RunConfig(**asdict(config or TrainConfig()))
     if not train_examples:
@@ -426,10 +424,9 @@ class _Loop:
                            signal=self.stop.signum)
 
     def step(self, tensors: list[torch.Tensor], n: int) -> float:
-        """One optimizer step on this process's pieces of a global batch (`tensors`:
-        src, tgt, src, tgt, ...), whose `n` real target tokens (all processes) divide the
-        loss; returns the learning rate. Nothing here waits for the device, and nothing
-        here loops over sentences."""
+        """One optimizer step on this process's pieces of a global batch (`tensors`: src, tgt, src,
+        tgt, ...), whose `n` real target tokens (all processes) divide the loss; returns the
+        learning rate. Nothing here waits for the device, and nothing here loops over sentences."""
         c = self.config
         # the dropout masks of this step depend on (seed, step, rank) alone
         torch.manual_seed(c.seed * 1_000_003 + self.at["step"] * 1_009 + self.rank)
