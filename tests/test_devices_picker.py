@@ -125,8 +125,8 @@ def test_training_validating_and_beam_search_keep_their_sums_in_float32_on_mps(m
     from transformer.engine import fast, loop
     from transformer.model import Transformer, TransformerConfig
     from transformer.tokens import pad_batch
-    assert devices.sum_dtype(torch.device("mps")) == torch.float32
-    assert devices.sum_dtype("cpu") == devices.sum_dtype(torch.device("cuda", 1)) == torch.float64
+    assert fast.sum_dtype(torch.device("mps")) == torch.float32
+    assert fast.sum_dtype("cpu") == fast.sum_dtype(torch.device("cuda", 1)) == torch.float64
     for module in (loop, fast):
         monkeypatch.setattr(module, "sum_dtype", lambda device: torch.float32, raising=False)
     torch.manual_seed(0)

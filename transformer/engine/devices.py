@@ -23,8 +23,8 @@ from ..data import UserError
 
 # %% auto #0
 __all__ = ['DEVICES', 'cpu_has_bf16_units', 'world', 'init_distributed', 'Precision', 'choose_precision', 'fast_kernels',
-           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'sum_dtype', 'prefetch', 'allocator_counts',
-           'distributed', 'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
+           'DeviceError', 'mps_available', 'pick_device', 'pins_memory', 'prefetch', 'allocator_counts', 'distributed',
+           'all_sum', 'StopRequest', 'inductor_workarounds', 'peak_memory']
 
 # %% ../../book/f_devices.ipynb #f012
 def cpu_has_bf16_units() -> bool:
@@ -160,11 +160,6 @@ def pick_device(name: str = "auto", compile: bool = False) -> torch.device:
 def pins_memory(device) -> bool:
     "Whether `prefetch` makes batches for `device` in page-locked memory: CUDA only."
     return torch.device(device).type == "cuda"
-
-
-def sum_dtype(device) -> torch.dtype:
-    "The dtype of sums kept on `device`: float64, but float32 on MPS, which has no float64."
-    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 # %% ../../book/f_devices.ipynb #f015
 def prefetch(items, make, device, depth: int = 2, threaded: bool | None = None):

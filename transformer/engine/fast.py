@@ -3,8 +3,8 @@
 # %% auto #0
 __all__ = ['POLL_EVERY', 'dropout_mask', 'Dropout', 'float32_attention', 'Float32Attention', 'speed_up',
            'fused_smoothed_cross_entropy', 'FastSeq2SeqLoss', 'KVCache', 'cached_attention', 'cached_encoder_layer',
-           'cached_decoder_layer', 'CachedDecoder', 'greedy_search', 'beam_search', 'translate', 'evaluate',
-           'bleu_callback']
+           'cached_decoder_layer', 'CachedDecoder', 'greedy_search', 'sum_dtype', 'beam_search', 'translate',
+           'evaluate', 'bleu_callback']
 
 # %% ../../book/d_2_fast.ipynb #f000
 import math
@@ -20,7 +20,6 @@ from ..attention import scaled_dot_product_attention
 from ..blocks import DecoderLayer, EncoderLayer, residual
 from ..data import is_int, is_number
 from ..decoding import PrefixDecoder, length_penalty, output_limits, until_eos
-from .devices import sum_dtype  # appendix F
 from ..evaluation import score
 from ..heads import MultiHeadAttention, merge_heads, split_heads
 from ..masking import padding_mask, teacher_forcing
@@ -366,6 +365,11 @@ def greedy_search(model: Transformer, src: torch.Tensor, extra_len: int = 50,
         if (t + 1) % POLL_EVERY == 0 and bool(done.all()):
             break
     return [until_eos(row) for row in ys[:, 1:].tolist()]
+
+
+def sum_dtype(device) -> torch.dtype:
+    "The dtype of sums kept on `device`: float64, but float32 on MPS, which has no float64."
+    return torch.float32 if torch.device(device).type == "mps" else torch.float64
 
 
 @torch.no_grad()

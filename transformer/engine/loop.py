@@ -49,10 +49,9 @@ from transformer.engine.devices import (  # appendix F
     fast_kernels,
     inductor_workarounds,
     prefetch,
-    sum_dtype,
     world,
 )
-from .fast import FastSeq2SeqLoss, evaluate, speed_up  # appendix D.2
+from .fast import FastSeq2SeqLoss, evaluate, speed_up, sum_dtype  # appendix D.2
 from ..model import Transformer, TransformerConfig
 from ..tokens import BOS, EOS, PAD, UNK, Tokenizer, token_batches
 from ..training import TrainConfig, collate, make_examples, make_optimizer, rate, set_rate
