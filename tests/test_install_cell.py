@@ -3,6 +3,7 @@ missing (Colab, Binder, a checkout not installed yet), from the checkout the not
 shallow clone of the repository that _config.yml names, whose book/ the notebook then runs in (the
 shipped model and the recorded runs are files there); a no-op here and under nbval."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -70,10 +71,10 @@ def test_the_cell_does_nothing_where_the_package_is_installed_and_installs_where
     assert _run_cell(source, importable=False, cwd=ROOT / "book") == ["%pip install --quiet .."]
     # Colab: a notebook alone; clone the repository and run in its book/
     assert _run_cell(source, importable=False, cwd=tmp_path) == [
-        f"!{CLONE}", "%pip install --quiet transformer-book"]
+        f"!{CLONE}", "%pip install --quiet ./transformer-book"]   # pip reads a bare name as a project on PyPI
     (tmp_path / "transformer-book" / "book").mkdir(parents=True)       # what the clone wrote
     assert _run_cell(source, importable=False, cwd=tmp_path) == [    # run again: no second clone
-        "%pip install --quiet transformer-book", "%cd transformer-book/book"]
+        "%pip install --quiet ./transformer-book", "%cd transformer-book/book"]
     # the runtime restarted: the package is installed, the working directory is back where it was
     assert _run_cell(source, importable=True, cwd=tmp_path) == ["%cd transformer-book/book"]
 
@@ -98,8 +99,12 @@ def test_the_clone_installs_in_an_empty_venv_and_holds_what_the_chapters_read(tm
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"
     # --no-deps: the dependencies (torch, ...) are the requirements' business, not this cell's
+    # the cell's own argument, from the folder the clone lies in: a path ("./..."), which pip and uv install as one;
+    # a bare name would be a project on PyPI to both
+    source = re.search(r'else "([^"]+)"', install_cell(NOTEBOOKS[0]))[1]
+    assert source.startswith("./") and (tmp_path / source).resolve() == clone
     done = subprocess.run([find_uv_bin(), "pip", "install", "--quiet", "--python", str(python), "--no-deps",
-                           str(clone)], capture_output=True, text=True, timeout=600)
+                           source], capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     where = subprocess.run([str(python), "-c", "import importlib.util as u, importlib.metadata as m; "
                             "print(u.find_spec('transformer').origin); "
